@@ -1,0 +1,146 @@
+"""The messages that cross the scheduler / worker / frontend boundaries.
+
+Pure Python. `SchedulerOutput` is what the scheduler decides for one step (tokens per
+request plus new block ids per KV-cache group); `ModelRunnerOutput` is what the worker
+computed; `EngineCoreOutput` is what goes back to the frontend per request. The engine
+messages are msgspec Structs so they cross the ZeroMQ boundary as msgpack unchanged.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import msgspec
+
+from tokenos.sampling_params import SamplingParams
+
+# One list of block ids per KV-cache group, in group order.
+BlockIds = tuple[list[int], ...]
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0  # EOS, a stop token id or a stop string
+    LENGTH = 1  # max_tokens or max_model_len
+    ABORT = 2  # client went away, or an error
+
+    def __str__(self) -> str:
+        return ("stop", "length", "abort")[self.value]
+
+
+# ---------------------------------------------------------------- scheduler -> worker
+
+
+@dataclass
+class NewRequestData:
+    """A request the worker has not seen (or one resumed after preemption: its state is rebuilt)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: BlockIds
+    num_computed_tokens: int  # tokens already in the cache (prefix hit or resumed checkpoint)
+    # Tokens already generated before a preemption; the worker appends them after the prompt.
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the worker already holds: only what changed since last step."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[BlockIds | None] = field(default_factory=list)  # appended to each group
+    num_computed_tokens: list[int] = field(default_factory=list)
+    # Block ids that became the null block in each group (sliding window / recurrent groups
+    # dropping blocks that are no longer needed); the worker rewrites those table entries.
+    removed_block_idx: list[BlockIds | None] = field(default_factory=list)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: dict[str, int]  # req_id -> tokens to compute this step
+    total_num_scheduled_tokens: int
+    finished_req_ids: set[str]  # the worker drops these from its persistent batch
+    preempted_req_ids: set[str] = field(default_factory=set)
+    # Recurrent-state groups: req_id -> (group id -> block index whose page the step must
+    # copy into the running page before computing), for checkpoint adoption in align mode.
+    mamba_state_copies: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- worker -> scheduler
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs at one position: `token_ids[0]` is the chosen token, the rest the top-n."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    rank: int  # rank of the chosen token in the full distribution (1 = most likely)
+
+
+@dataclass
+class ModelRunnerOutput:
+    req_ids: list[str]
+    req_id_to_index: dict[str, int]
+    # One list per request; empty while a request is still mid-prefill (partial chunk).
+    sampled_token_ids: list[list[int]]
+    logprobs: list[list[TokenLogprobs] | None] | None = None  # per request, per sampled token
+    # req_id -> logprobs of prompt positions computed this step (position i scores token i+1).
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------- frontend <-> engine core
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: dict  # SamplingParams as a dict (see sampling_params_to_dict)
+    eos_token_id: int | None = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    # Per new token: [ids, logprobs, rank] with ids[0] the chosen token.
+    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    prompt_logprobs: list[tuple[list[int], list[float], int] | None] | None = None
+    finish_reason: int | None = None  # FinishReason value
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    timestamp: float = 0.0
+    # Per-step counters the frontend aggregates into metrics.
+    stats: dict | None = None
+
+
+def sampling_params_to_dict(params: SamplingParams) -> dict:
+    d = {k: v for k, v in params.__dict__.items() if k != "all_stop_token_ids"}
+    d["output_kind"] = int(params.output_kind)
+    if params.logit_bias:
+        d["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
+    return d
+
+
+def sampling_params_from_dict(d: dict) -> SamplingParams:
+    d = dict(d)
+    if d.get("logit_bias"):
+        d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
+    return SamplingParams(**d)
