@@ -151,13 +151,9 @@ def _gguf_tokenizer_dicts(
     metadata: dict[str, Any], mapping: dict[str, dict[str, str]]
 ) -> tuple[str, dict, dict]:
     """`(architecture, tokenizer_dict, tokenizer_config)` the way `transformers`' converters want them."""
-    grouped = {
-        group: {
-            name: metadata[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in metadata
-        }
-        for group, renames in mapping.items()
-    }
-    tokenizer_dict, tokenizer_config = grouped["tokenizer"], grouped["tokenizer_config"]
+    meta = {k.removeprefix("tokenizer."): v for k, v in metadata.items() if k.startswith("tokenizer.")}
+    tokenizer_dict = {name: meta[k] for k, name in mapping["tokenizer"].items() if k in meta}
+    tokenizer_config = {name: meta[k] for k, name in mapping["tokenizer_config"].items() if k in meta}
     if tokenizer_dict.get("tokenizer_type") == "llama":
         # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise.
         tokenizer_config.setdefault("add_bos_token", True)
