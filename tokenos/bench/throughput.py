@@ -1,0 +1,104 @@
+"""`tokenos bench throughput`: offline throughput on a workload file or a synthetic one.
+
+Workload files are the shared format (one `{"prompt_token_ids", "max_tokens"}` per line,
+run greedy with ignore_eos so every request produces exactly max_tokens). Prints one JSON
+line: requests/s, input/output/total tokens/s, wall time and start-up time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+from tokenos.engine.args import EngineArgs
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workload", help="shared-format .jsonl workload file")
+    parser.add_argument("--num-prompts", type=int, default=64, help="synthetic: number of requests")
+    parser.add_argument("--input-len", type=int, default=256, help="synthetic: prompt tokens")
+    parser.add_argument("--output-len", type=int, default=64, help="synthetic: output tokens")
+    parser.add_argument("--no-warmup", action="store_true")
+    add_engine_args(parser)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, named as vLLM names them; each maps to one EngineArgs field."""
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
+    parser.add_argument("--block-size", type=int, default=EngineArgs.block_size)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=EngineArgs.enable_prefix_caching
+    )
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    names = set(EngineArgs.field_names()) - {"model"}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+
+
+def load_workload(args: argparse.Namespace, vocab_size: int) -> list[dict]:
+    if args.workload:
+        with open(args.workload) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    rng = random.Random(args.seed)
+    hi = min(vocab_size, 49052)
+    return [
+        {"prompt_token_ids": [rng.randrange(100, hi) for _ in range(args.input_len)], "max_tokens": args.output_len}
+        for _ in range(args.num_prompts)
+    ]
+
+
+def run(args: argparse.Namespace) -> dict:
+    from tokenos import LLM, SamplingParams
+
+    t0 = time.perf_counter()
+    llm = LLM(args.model, **engine_kwargs(args))
+    startup = time.perf_counter() - t0
+    rows = load_workload(args, llm.model_config.vocab_size)
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in rows]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False) for r in rows
+    ]
+    if not args.no_warmup:
+        llm.generate(prompts[:4], params[:4], use_tqdm=False)
+        llm.reset_prefix_cache()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - t
+    n_out = sum(len(o.outputs[0].token_ids) for o in outs)
+    n_in = sum(len(r["prompt_token_ids"]) for r in rows)
+    metrics = llm.get_metrics()
+    return {
+        "engine": "tokenos",
+        "workload": args.workload.split("/")[-1] if args.workload else f"random-{args.input_len}-{args.output_len}",
+        "requests": len(rows),
+        "dtype": args.dtype,
+        "prefix_caching": args.enable_prefix_caching,
+        "wall_s": round(wall, 2),
+        "requests_s": round(len(rows) / wall, 2),
+        "input_tok_s": round(n_in / wall, 1),
+        "output_tok_s": round(n_out / wall, 1),
+        "total_tok_s": round((n_in + n_out) / wall, 1),
+        "startup_s": round(startup, 1),
+        "prefix_cache_hit_rate": round(metrics["prefix_cache_hits"] / max(metrics["prefix_cache_queries"], 1), 3),
+        "num_preemptions": metrics["num_preemptions"],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tokenos bench throughput", description=__doc__)
+    add_args(parser)
+    print(json.dumps(run(parser.parse_args(argv))), flush=True)
+
+
+if __name__ == "__main__":
+    main()

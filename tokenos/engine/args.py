@@ -1,0 +1,72 @@
+"""Every user-facing engine setting, one field each (the CLI flags and `LLM(...)` kwargs map here).
+
+`EngineArgs` is what users write; `create_configs()` resolves it against the model into the
+typed configs each layer consumes (model, scheduler, cache), validating in one place.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+
+def _default_kv_cache_memory_bytes() -> int:
+    """A quarter of the RAM that is free now, capped at 4 GiB (CPU: the pool is host memory)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+        free = info.get("MemAvailable", 8 << 30)
+    except OSError:
+        free = 8 << 30
+    return int(min(free // 4, 4 << 30))
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # HF folder or .gguf file; None: the embedded SmolLM2
+    tokenizer: str | None = None  # defaults to the model's
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    kv_cache_memory_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    chat_template: str | None = None
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def create_configs(self):
+        """(ModelConfig, SchedulerConfig, CacheConfig) for this model; ValueError on a bad setting."""
+        from tokenos.config import CacheConfig, SchedulerConfig
+        from tokenos.models.config import load_model_config
+
+        model_config = load_model_config(self.model, dtype=self.dtype, max_model_len=self.max_model_len)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=max(self.max_num_batched_tokens, 1),
+            max_model_len=model_config.max_model_len,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            policy=self.scheduling_policy,
+        )
+        cache_config = CacheConfig(
+            block_size=self.block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            hash_algo=self.prefix_caching_hash_algo,
+        )
+        return model_config, scheduler_config, cache_config
+
+    @property
+    def resolved_kv_cache_memory_bytes(self) -> int:
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        env = os.environ.get("TOKENOS_KV_CACHE_MEMORY_BYTES")
+        return int(env) if env else _default_kv_cache_memory_bytes()

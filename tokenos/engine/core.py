@@ -1,0 +1,117 @@
+"""The engine core: the busy loop `schedule -> execute -> update_from_output`.
+
+It owns the scheduler and the model runner and nothing slow: no tokenizing, no text.
+`EngineCore` is used in-process by the offline `LLM` and inside the engine-core process
+(`core_proc.py`) by the server; both speak `EngineCoreRequest` / `EngineCoreOutputs`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from tokenos.core.kv_cache.spec import get_kv_cache_config
+from tokenos.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from tokenos.core.request import Request, RequestStatus
+from tokenos.core.sched.scheduler import Scheduler
+from tokenos.engine.args import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs) -> None:
+        from tokenos.worker.model_runner import ModelRunner
+
+        t0 = time.perf_counter()
+        self.args = args
+        model_config, scheduler_config, cache_config = args.create_configs()
+        self.model_config = model_config
+        self.model_runner = ModelRunner(
+            model_config,
+            block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            seed=args.seed,
+        )
+        layer_specs = self.model_runner.get_kv_cache_spec()
+        self.kv_cache_config = get_kv_cache_config(
+            layer_specs,
+            available_memory_bytes=args.resolved_kv_cache_memory_bytes,
+            num_blocks=args.num_kv_blocks,
+            max_model_len=model_config.max_model_len,
+        )
+        self.model_runner.initialize_kv_cache(self.kv_cache_config)
+        self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_config, model_config.max_model_len)
+        self.pending_errors: list[EngineCoreOutput] = []
+        self.startup_s = time.perf_counter() - t0
+        logger.info(
+            "engine core ready in %.1fs: model %s, %d KV blocks (%d tokens)",
+            self.startup_s,
+            model_config.name,
+            self.kv_cache_config.num_blocks,
+            self.num_kv_tokens,
+        )
+
+    @property
+    def num_kv_tokens(self) -> int:
+        block_size = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+        return (self.kv_cache_config.num_blocks - 1) * block_size
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request; ValueError (and nothing queued) when it can never run."""
+        n = len(req.prompt_token_ids)
+        if n == 0:
+            raise ValueError("The prompt is empty: give at least one token.")
+        max_len = self.model_config.max_model_len
+        if n >= max_len:
+            raise ValueError(
+                f"The prompt is {n} tokens long, but this model's max_model_len is {max_len}: "
+                "shorten the prompt (one position must be left to generate)."
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is outside the vocabulary [0, {vocab}).")
+        self.scheduler.add_request(Request.from_engine_core_request(req))
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ------------------------------------------------------------ the loop
+
+    def step(self) -> EngineCoreOutputs:
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(outputs=[], timestamp=time.monotonic(), stats=self.get_stats())
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(), stats=self.get_stats())
+
+    # ------------------------------------------------------------ utilities
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def get_stats(self) -> dict:
+        return self.scheduler.make_stats()
+
+    def get_model_info(self) -> dict:
+        return {
+            "model": self.model_config.name,
+            "max_model_len": self.model_config.max_model_len,
+            "num_kv_blocks": self.kv_cache_config.num_blocks,
+            "kv_pool_tokens": self.num_kv_tokens,
+            "vocab_size": self.model_config.vocab_size,
+        }
+
+
+def abort_output(request_id: str, message: str) -> EngineCoreOutput:
+    """The output that tells the frontend a request ended with an error."""
+    return EngineCoreOutput(request_id, [], finish_reason=int(FinishReason.ABORT), stop_reason=message)

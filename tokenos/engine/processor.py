@@ -1,0 +1,101 @@
+"""Frontend input processing: prompt -> token ids -> validated `EngineCoreRequest`s.
+
+A request with n > 1 samples fans out here into n child requests (`{i}_{request_id}`) with
+the same prompt; the engine core never sees n, and prefix caching shares the prompt's
+blocks between the children by refcount.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tokenos.core.outputs import EngineCoreRequest, sampling_params_to_dict
+from tokenos.sampling_params import SamplingParams
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+def child_request_id(index: int, parent_id: str) -> str:
+    return f"{index}_{parent_id}"
+
+
+class Processor:
+    def __init__(self, tokenizer, model_config) -> None:
+        self.tokenizer = tokenizer
+        self.model_config = model_config
+        self.max_model_len: int = model_config.max_model_len
+        self.vocab_size: int = model_config.vocab_size
+        self.eos_token_id = self._eos_token_id()
+        self.extra_stop_ids = set(getattr(model_config, "eos_token_ids", None) or []) - {self.eos_token_id}
+
+    def _eos_token_id(self) -> int | None:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is None:
+            ids = getattr(self.model_config, "eos_token_ids", None) or []
+            eos = ids[0] if ids else None
+        return eos
+
+    def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+            raise ValueError("A prompt dict needs 'prompt' (text) or 'prompt_token_ids'.")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"Unsupported prompt type {type(prompt).__name__}: give text or token ids.")
+
+    def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        n = len(token_ids)
+        if n == 0:
+            raise ValueError("The prompt is empty: give at least one token.")
+        if n >= self.max_model_len:
+            raise ValueError(
+                f"The prompt is {n} tokens long, but the model's max_model_len is {self.max_model_len}: "
+                "shorten the prompt (one position must be left for the answer)."
+            )
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"Prompt token id {bad} is outside the vocabulary [0, {self.vocab_size}).")
+        if params.logit_bias:
+            bad = next((t for t in params.logit_bias if not 0 <= int(t) < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size}).")
+
+    def make_requests(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> list[EngineCoreRequest]:
+        self.validate_prompt(prompt_token_ids, params)
+        params.all_stop_token_ids = set(params.stop_token_ids or []) | (
+            set() if params.ignore_eos else self.extra_stop_ids
+        )
+        arrival = time.time() if arrival_time is None else arrival_time
+        children = []
+        for i in range(params.n):
+            child = params if params.n == 1 else params.clone_for_sample(i)
+            child_params = sampling_params_to_dict(child)
+            child_params["stop_token_ids"] = sorted(params.all_stop_token_ids)
+            rid = request_id if params.n == 1 else child_request_id(i, request_id)
+            children.append(
+                EngineCoreRequest(
+                    request_id=rid,
+                    prompt_token_ids=prompt_token_ids,
+                    sampling_params=child_params,
+                    eos_token_id=self.eos_token_id,
+                    arrival_time=arrival,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                )
+            )
+        return children

@@ -1,0 +1,159 @@
+"""The offline API, shaped like vLLM's: `LLM(...).generate(prompts, sampling_params)`.
+
+It drives an in-process `EngineCore` directly (same busy loop as the server's engine-core
+process, no sockets), with the same frontend input and output processing as the server.
+"""
+
+from __future__ import annotations
+
+import itertools
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from tokenos.engine.args import EngineArgs
+from tokenos.engine.core import EngineCore
+from tokenos.engine.output_processor import OutputProcessor
+from tokenos.engine.processor import Processor, PromptType
+from tokenos.engine.tokenizer import load_tokenizer
+from tokenos.outputs import RequestOutput
+from tokenos.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise ValueError(
+                f"Unknown LLM argument(s) {sorted(unknown)}; known: {sorted(EngineArgs.field_names())}."
+            )
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        self.engine = EngineCore(self.engine_args)
+        self.model_config = self.engine.model_config
+        self.tokenizer = load_tokenizer(self.engine_args.tokenizer or self.engine_args.model)
+        self.processor = Processor(self.tokenizer, self.model_config)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._counter = itertools.count()
+        self._num_requests = 0
+        self._num_generation_tokens = 0
+        self._num_prompt_tokens = 0
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ------------------------------------------------------------ generate
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str | dict) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params_list = self._params_list(sampling_params, len(prompts))
+        ids = []
+        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            ids.append(self._add_request(prompt, params, priority[i] if priority else 0))
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        template = chat_template or self.engine_args.chat_template
+        prompts = []
+        for conversation in conversations:
+            if not conversation:
+                raise ValueError("A conversation needs at least one message.")
+            text = self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, chat_template=template
+            )
+            # the template already holds the special tokens (BOS) it needs
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"Got {len(params)} sampling_params for {n} prompts: give one, or one per prompt.")
+        return params
+
+    def _add_request(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
+        request_id = str(next(self._counter))
+        text, token_ids = self.processor.tokenize_prompt(prompt)
+        params = _copy_params(params)
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        requests = self.processor.make_requests(request_id, token_ids, params, priority=priority)
+        self.output_processor.add_request(request_id, text, token_ids, params, [r.request_id for r in requests])
+        for req in requests:
+            self.engine.add_request(req)
+        self._num_requests += 1
+        self._num_prompt_tokens += len(token_ids) * params.n
+        return request_id
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(request_ids), use_tqdm)
+        while self.output_processor.has_unfinished_requests():
+            step = self.engine.step()
+            ready, to_abort = self.output_processor.process_outputs(step.outputs)
+            if to_abort:
+                self.engine.abort_requests(to_abort)
+            for out in ready:
+                if out.finished:
+                    results[out.request_id] = out
+                    self._num_generation_tokens += sum(len(c.token_ids) for c in out.outputs)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[r] for r in request_ids]
+
+    # ------------------------------------------------------------ introspection
+
+    def get_metrics(self) -> dict:
+        stats = self.engine.get_stats()
+        return {
+            "num_requests": self._num_requests,
+            "prompt_tokens": self._num_prompt_tokens,
+            "generation_tokens": self._num_generation_tokens,
+            "prefix_cache_queries": stats.get("prefix_cache_queries", 0),
+            "prefix_cache_hits": stats.get("prefix_cache_hits", 0),
+            "num_preemptions": stats.get("num_preemptions", 0),
+            "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
+            "num_running": stats.get("num_running", 0),
+            "num_waiting": stats.get("num_waiting", 0),
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+
+def _copy_params(params: SamplingParams) -> SamplingParams:
+    import copy
+
+    return copy.copy(params)
+
+
+def _progress_bar(total: int, use_tqdm: bool):
+    if not use_tqdm or total <= 1 or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -1,0 +1,69 @@
+"""Allocate the KV-cache pool and give each layer its view of it.
+
+Each `KVCacheTensor` is one flat byte buffer of `num_blocks * page_size` bytes; every layer
+that shares it sees the same pages with the block dimension outermost, so block `b` of any
+layer in that buffer is the byte range `[b * page_size, (b + 1) * page_size)`. Because the
+memory manager hands each block id to at most one group at a time, a write through one
+layer's view can never land in a page another request owns.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenos.core.kv_cache.spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def _page_view(buf: torch.Tensor, num_blocks: int, page_size: int, nbytes: int, offset: int = 0):
+    """Bytes [offset, offset + nbytes) of every page, as a [num_blocks, nbytes] uint8 view."""
+    return buf.view(num_blocks, page_size)[:, offset : offset + nbytes]
+
+
+def attention_view(buf: torch.Tensor, num_blocks: int, page_size: int, spec: FullAttentionSpec) -> torch.Tensor:
+    dtype = torch_dtype(spec.dtype)
+    shape = (2, spec.block_size, spec.num_kv_heads, spec.head_size)
+    nbytes = 2 * spec.block_size * spec.num_kv_heads * spec.head_size * dtype.itemsize
+    raw = _page_view(buf, num_blocks, page_size, nbytes)
+    return raw.view(dtype).view(num_blocks, *shape)
+
+
+def mamba_views(buf: torch.Tensor, num_blocks: int, page_size: int, spec: MambaSpec) -> list[torch.Tensor]:
+    views = []
+    offset = 0
+    for shape, dtype_name in zip(spec.shapes, spec.dtypes, strict=True):
+        dtype = torch_dtype(dtype_name)
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * dtype.itemsize
+        raw = _page_view(buf, num_blocks, page_size, nbytes, offset)
+        views.append(raw.view(dtype).view(num_blocks, *shape))
+        offset += nbytes
+    return views
+
+
+def allocate_kv_caches(config: KVCacheConfig, layer_order: list[str]) -> list:
+    """One cache object per layer, in `layer_order`: a tensor (attention) or a list of tensors (state)."""
+    spec_of = {name: g.kv_cache_spec for g in config.kv_cache_groups for name in g.layer_names}
+    num_blocks = config.num_blocks
+    views: dict[str, object] = {}
+    for tensor in config.kv_cache_tensors:
+        buf = torch.zeros(tensor.size_bytes, dtype=torch.uint8)
+        page_size = tensor.size_bytes // num_blocks
+        for name in tensor.shared_by:
+            spec = spec_of[name]
+            if isinstance(spec, MambaSpec):
+                views[name] = mamba_views(buf, num_blocks, page_size, spec)
+            else:
+                views[name] = attention_view(buf, num_blocks, page_size, spec)
+    return [views[name] for name in layer_order]

@@ -1,0 +1,203 @@
+"""Runs the model for one scheduler step: persistent batch in, sampled tokens out.
+
+Each step: apply the scheduler's diff to the persistent batch (`_update_states`), lay out
+the flat token batch (input ids, positions, slot mapping, block tables) with numpy, run
+the model over the paged KV cache, sample the last position of every request whose
+prompt is complete, and append the sampled tokens to the batch rows. Requests still in
+the middle of their prompt (a partial chunk) get nothing sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tokenos.core.kv_cache.spec import KVCacheConfig
+from tokenos.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenos.layers.attention import build_attention_metadata
+from tokenos.models import build_model
+from tokenos.models.config import ModelConfig
+from tokenos.sample.sampler import Sampler, compute_prompt_logprobs
+from tokenos.worker.input_batch import CachedRequestState, InputBatch
+from tokenos.worker.kv_cache import allocate_kv_caches
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        seed: int = 0,
+    ) -> None:
+        torch.manual_seed(seed)
+        self.model_config = model_config
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = model_config.max_model_len
+        self.model = build_model(model_config)
+        self.sampler = Sampler()
+        self.requests: dict[str, CachedRequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.input_batch: InputBatch | None = None
+        self.group_block_sizes: list[int] = []
+
+    def get_kv_cache_spec(self) -> dict:
+        return self.model.get_kv_cache_spec(self.block_size)
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        specs = self.get_kv_cache_spec()
+        self.kv_caches = allocate_kv_caches(kv_cache_config, list(specs))
+        self.group_block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+        max_blocks = [-(-self.max_model_len // bs) for bs in self.group_block_sizes]
+        self.input_batch = InputBatch(
+            self.max_num_seqs, self.max_model_len, max_blocks, self.model_config.vocab_size
+        )
+
+    # ------------------------------------------------------------------ state
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        assert batch is not None
+        gone = list(so.finished_req_ids | so.preempted_req_ids)
+        for req_id in gone:
+            self.requests.pop(req_id, None)
+        # Requests not scheduled this step leave the batch but keep their state.
+        scheduled = so.num_scheduled_tokens
+        unscheduled = [r for r in batch.req_id_to_index if r not in scheduled]
+        batch.remove_requests(gone + unscheduled)
+
+        for new in so.scheduled_new_reqs:
+            state = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                sampling_params=new.sampling_params,
+                block_ids=[list(ids) for ids in new.block_ids],
+                num_computed_tokens=new.num_computed_tokens,
+                output_token_ids=list(new.output_token_ids),
+                eos_token_id=getattr(new, "eos_token_id", None),
+            )
+            self.requests[new.req_id] = state
+            if new.req_id in batch.req_id_to_index:
+                batch.remove_requests([new.req_id])
+            batch.add_request(state)
+
+        cached = so.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self.requests[req_id]
+            state.num_computed_tokens = cached.num_computed_tokens[i]
+            new_ids = cached.new_block_ids[i]
+            if new_ids is not None:
+                for group_ids, added in zip(state.block_ids, new_ids, strict=True):
+                    group_ids.extend(added)
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                batch.add_request(state)
+                continue
+            batch.num_computed_tokens[row] = state.num_computed_tokens
+            if new_ids is not None:
+                for table, added in zip(batch.block_tables, new_ids, strict=True):
+                    if added:
+                        table.append(row, added)
+
+    # ------------------------------------------------------------------ step
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        batch = self.input_batch
+        assert batch is not None
+        if so.total_num_scheduled_tokens == 0:
+            return ModelRunnerOutput([], {}, [])
+        n = batch.num_reqs
+        req_ids = [r for r in batch.req_ids[:n]]
+        num_sched = np.array([so.num_scheduled_tokens[r] for r in req_ids], dtype=np.int64)
+        num_computed = batch.num_computed_tokens[:n].astype(np.int64)
+
+        cu = np.cumsum(num_sched)
+        starts = cu - num_sched
+        total = int(cu[-1])
+        # positions: num_computed[row] + 0..num_sched[row]-1, laid out flat
+        offsets = np.arange(total) - np.repeat(starts, num_sched)
+        rows = np.repeat(np.arange(n), num_sched)
+        positions = np.repeat(num_computed, num_sched) + offsets
+        input_ids = batch.token_ids[rows, positions]
+
+        table = batch.block_tables[0]
+        block_lists = [table.table[r, : table.num_blocks[r]].tolist() for r in range(n)]
+        attn_metadata = build_attention_metadata(
+            block_lists, num_computed.tolist(), num_sched.tolist(), self.group_block_sizes[0]
+        )
+        hidden = self.model(
+            torch.from_numpy(input_ids), torch.from_numpy(positions), attn_metadata, self.kv_caches
+        )
+
+        seq_after = num_computed + num_sched
+        sample_mask = seq_after >= batch.num_tokens[:n]
+        logits_idx = torch.from_numpy(cu - 1)
+        logits = self.model.compute_logits(hidden[logits_idx])
+        sampler_out = self.sampler(logits, batch.sampling.make_metadata(n))
+        sampled = sampler_out.sampled_token_ids.tolist()
+
+        sampled_lists: list[list[int]] = []
+        logprobs: list[list[TokenLogprobs] | None] = []
+        for row in range(n):
+            if sample_mask[row]:
+                tok = sampled[row]
+                sampled_lists.append([tok])
+                batch.append_token(row, tok)
+                self.requests[req_ids[row]].output_token_ids.append(tok)
+                lp = sampler_out.logprobs[row] if sampler_out.logprobs else None
+                logprobs.append([lp] if lp is not None else None)
+            else:
+                sampled_lists.append([])
+                logprobs.append(None)
+        for row in range(n):
+            batch.num_computed_tokens[row] = seq_after[row]
+            self.requests[req_ids[row]].num_computed_tokens = int(seq_after[row])
+
+        prompt_logprobs = self._prompt_logprobs(hidden, req_ids, starts, num_sched, num_computed)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled_lists,
+            logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _prompt_logprobs(
+        self,
+        hidden: torch.Tensor,
+        req_ids: list[str],
+        starts: np.ndarray,
+        num_sched: np.ndarray,
+        num_computed: np.ndarray,
+    ) -> dict[str, list[TokenLogprobs | None]]:
+        """Logprobs of prompt tokens 1..P-1, for the prompt positions computed this step."""
+        batch = self.input_batch
+        out: dict[str, list[TokenLogprobs | None]] = {}
+        for row in sorted(batch.prompt_logprobs_rows):
+            if row >= len(req_ids):
+                continue
+            req_id = req_ids[row]
+            n_prompt = int(batch.num_prompt_tokens[row])
+            first = int(num_computed[row])
+            # position p predicts token p+1; only positions < n_prompt - 1 score a prompt token
+            last = min(first + int(num_sched[row]), n_prompt - 1)
+            if last <= first:
+                continue
+            idx = torch.arange(int(starts[row]), int(starts[row]) + last - first)
+            logits = self.model.compute_logits(hidden[idx])
+            targets = torch.from_numpy(batch.token_ids[row, first + 1 : last + 1].copy())
+            num_top = self.requests[req_id].sampling_params.prompt_logprobs or 0
+            scored = list(compute_prompt_logprobs(logits, targets, num_top))
+            # the first prompt token has no logprob (nothing precedes it)
+            out[req_id] = ([None] if first == 0 else []) + scored
+        return out
