@@ -1,0 +1,79 @@
+"""From one step's logits to one token per request.
+
+Order (vLLM's): logit bias -> min_tokens bans -> repetition/presence/frequency penalties ->
+greedy rows take the argmax; random rows go through temperature -> top-k -> top-p -> min-p and
+are drawn by the exponential race with their own generator when seeded. Logprobs, when asked
+for, are of the raw logits (before any of this). Every stage is skipped when no row uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tokenos.core.outputs import TokenLogprobs
+from tokenos.sample import ops
+from tokenos.sample.logprobs import gather_logprobs
+from tokenos.sample.metadata import SamplingMetadata
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # int64 [num_reqs]
+    logprobs: list[TokenLogprobs | None]  # per row; None where the request wants none
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if logits.shape[0] != metadata.num_reqs:
+            raise ValueError(f"logits have {logits.shape[0]} rows, metadata {metadata.num_reqs}.")
+        raw_logprobs = None
+        if metadata.max_num_logprobs is not None:
+            raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+        # Our own float32 copy: the stages below edit it in place and the caller keeps its logits.
+        logits = logits.to(torch.float32, copy=True)
+        self.process_logits(logits, metadata)
+        sampled = self.sample(logits, metadata)
+        if raw_logprobs is None:
+            logprobs: list[TokenLogprobs | None] = [None] * metadata.num_reqs
+        else:
+            logprobs = gather_logprobs(raw_logprobs, sampled, metadata.num_logprobs)
+        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> None:
+        """The stages every row goes through, greedy or not (in place)."""
+        if md.logit_bias is not None:
+            ops.apply_logit_bias(logits, md.logit_bias)
+        if md.min_tokens:
+            ops.apply_token_bans(logits, md.min_tokens)
+        if not md.no_penalties:
+            assert md.presence_penalties is not None and md.frequency_penalties is not None
+            assert md.repetition_penalties is not None
+            ops.apply_penalties(
+                logits,
+                md.prompt_token_ids,
+                md.output_token_ids,
+                md.presence_penalties,
+                md.frequency_penalties,
+                md.repetition_penalties,
+            )
+
+    @staticmethod
+    def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        greedy = logits.argmax(dim=1) if not md.all_random else None
+        if md.all_greedy:
+            assert greedy is not None
+            return greedy
+        logits.div_(md.temperature.unsqueeze(1))
+        if md.top_k is not None:
+            ops.apply_top_k(logits, md.top_k)
+        if md.top_p is not None:
+            ops.apply_top_p(logits, md.top_p)
+        if md.min_p is not None:
+            ops.apply_min_p(logits, md.min_p)
+        drawn = ops.random_sample(logits.softmax(dim=1), md.generators)
+        if greedy is None:
+            return drawn
+        return torch.where(md.greedy_mask, greedy, drawn)

@@ -1,0 +1,272 @@
+"""The sampling parameters of the persistent batch, one row per running request.
+
+The worker keeps requests in rows 0..num_reqs-1 across steps and only tells this store what
+changed: a request arrived (`add_request`), left (`remove_request`), moved to close a gap
+(`move_row`), or got a token (`append_output`). Scalar parameters live in preallocated CPU tensors
+of `max_num_reqs` entries, so building a step's `SamplingMetadata` is a slice, and it is rebuilt
+only when the batch changed; otherwise the cached one is reused with just the min_tokens rows
+refreshed. Nothing here is vocab-sized: penalties are computed from the token id lists at sampling.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+
+from tokenos.sample.metadata import SamplingMetadata
+from tokenos.sampling_params import SamplingParams
+
+_GREEDY_EPS = 1e-5
+
+
+class SamplingState:
+    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device | str = "cpu") -> None:
+        self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        n = max_num_reqs
+        self.temperature = torch.ones(n, dtype=torch.float32)
+        self.top_k = torch.zeros(n, dtype=torch.int64)
+        self.top_p = torch.ones(n, dtype=torch.float32)
+        self.min_p = torch.zeros(n, dtype=torch.float32)
+        self.presence = torch.zeros(n, dtype=torch.float32)
+        self.frequency = torch.zeros(n, dtype=torch.float32)
+        self.repetition = torch.ones(n, dtype=torch.float32)
+        # Per-row Python objects: lists of length max_num_reqs, None where the row is empty.
+        self.occupied = [False] * n
+        self.is_greedy = [True] * n
+        self.min_tokens = [0] * n
+        self.stop_ids: list[list[int]] = [[] for _ in range(n)]  # forbidden below min_tokens
+        self.generators: list[torch.Generator | None] = [None] * n
+        self.logit_bias: list[dict[int, float] | None] = [None] * n
+        self.num_logprobs: list[int | None] = [None] * n
+        self.prompt_token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.output_token_ids: list[list[int]] = [[] for _ in range(n)]
+        self._cached: SamplingMetadata | None = None
+
+    # ------------------------------------------------------------ changes
+
+    def add_request(
+        self,
+        row: int,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        eos_token_id: int | None,
+    ) -> None:
+        """Put a request in `row` (empty or about to be overwritten). `output_token_ids` is what it
+        generated before a preemption; the list is copied, later tokens come via `append_output`."""
+        self._check_row(row)
+        greedy = params.temperature < _GREEDY_EPS
+        self.temperature[row] = 1.0 if greedy else params.temperature
+        self.top_k[row] = params.top_k if params.top_k > 0 else 0
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
+        self.presence[row] = params.presence_penalty
+        self.frequency[row] = params.frequency_penalty
+        self.repetition[row] = params.repetition_penalty
+        self.occupied[row] = True
+        self.is_greedy[row] = greedy
+        self.min_tokens[row] = params.min_tokens
+        stop = set(params.stop_token_ids or ()) | set(params.all_stop_token_ids)
+        if eos_token_id is not None and not params.ignore_eos:
+            stop.add(eos_token_id)
+        self.stop_ids[row] = sorted(t for t in stop if 0 <= t < self.vocab_size)
+        self.generators[row] = self._make_generator(params.seed) if params.seed is not None else None
+        # Ids beyond the model's vocabulary can never be sampled, so their bias is moot.
+        bias = {t: b for t, b in (params.logit_bias or {}).items() if 0 <= t < self.vocab_size}
+        self.logit_bias[row] = bias or None
+        self.num_logprobs[row] = params.logprobs
+        self.prompt_token_ids[row] = list(prompt_token_ids)
+        self.output_token_ids[row] = list(output_token_ids)
+        self._cached = None
+
+    def remove_request(self, row: int) -> None:
+        self._check_row(row)
+        self._clear(row)
+        self._cached = None
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Move the request in `src` to `dst` (whatever was in `dst` is dropped); `src` is left empty."""
+        self._check_row(src)
+        self._check_row(dst)
+        if src == dst:
+            return
+        for t in self._tensors():
+            t[dst] = t[src]
+        for lst in self._lists():
+            lst[dst] = lst[src]
+        self._clear(src)
+        self._cached = None
+
+    def swap_rows(self, a: int, b: int) -> None:
+        """Exchange two rows (for reordering the batch, e.g. by priority)."""
+        self._check_row(a)
+        self._check_row(b)
+        for t in self._tensors():
+            t[a], t[b] = t[b].clone(), t[a].clone()
+        for lst in self._lists():
+            lst[a], lst[b] = lst[b], lst[a]
+        self._cached = None
+
+    def append_output(self, row: int, token_id: int) -> None:
+        # The metadata holds this very list, so a cached metadata stays current.
+        self.output_token_ids[row].append(token_id)
+
+    # ------------------------------------------------------------ metadata
+
+    def make_metadata(self, num_reqs: int, discard_rows: Sequence[int] = ()) -> SamplingMetadata:
+        """The metadata for rows 0..num_reqs-1.
+
+        `discard_rows`: rows whose sample this step will be thrown away (a partial prefill chunk).
+        Their seeded generators are left untouched, so a seeded request's draws depend only on the
+        tokens it really generates.
+        """
+        if not 0 <= num_reqs <= self.max_num_reqs:
+            raise ValueError(f"num_reqs={num_reqs} is outside [0, {self.max_num_reqs}].")
+        md = self._cached
+        if md is None or md.num_reqs != num_reqs:
+            md = self._cached = self._build(num_reqs)
+        md.min_tokens = self._min_token_bans(num_reqs)
+        if discard_rows:
+            md = _copy_without_generators(md, discard_rows)
+        return md
+
+    def _build(self, n: int) -> SamplingMetadata:
+        dev = self.device
+        greedy = torch.tensor(self.is_greedy[:n], dtype=torch.bool)
+        random = ~greedy
+        any_random = bool(random.any())
+        top_k = self.top_k[:n]
+        top_p = self.top_p[:n]
+        min_p = self.min_p[:n]
+        use_top_k = any_random and bool(((top_k > 0) & random).any())
+        use_top_p = any_random and bool(((top_p < 1.0) & random).any())
+        use_min_p = any_random and bool(((min_p > 0.0) & random).any())
+        presence, frequency, repetition = self.presence[:n], self.frequency[:n], self.repetition[:n]
+        no_penalties = not bool((presence != 0).any() or (frequency != 0).any() or (repetition != 1).any())
+        return SamplingMetadata(
+            num_reqs=n,
+            temperature=self.temperature[:n].to(dev, copy=True),
+            greedy_mask=greedy.to(dev),
+            all_greedy=not any_random,
+            all_random=bool(random.all()) and n > 0,
+            # 0 (off) becomes "keep everything": a k at least the vocabulary size.
+            top_k=torch.where(top_k > 0, top_k, self.vocab_size).to(dev) if use_top_k else None,
+            top_p=top_p.to(dev, copy=True) if use_top_p else None,
+            min_p=min_p.to(dev, copy=True) if use_min_p else None,
+            generators=self._seeded_generators(n),
+            no_penalties=no_penalties,
+            presence_penalties=None if no_penalties else presence.to(dev, copy=True),
+            frequency_penalties=None if no_penalties else frequency.to(dev, copy=True),
+            repetition_penalties=None if no_penalties else repetition.to(dev, copy=True),
+            prompt_token_ids=None if no_penalties else self._padded_prompts(n),
+            output_token_ids=self.output_token_ids[:n],
+            logit_bias=self._logit_bias_triple(n),
+            num_logprobs=self.num_logprobs[:n],
+            max_num_logprobs=max((k for k in self.num_logprobs[:n] if k is not None), default=None),
+        )
+
+    def _seeded_generators(self, n: int) -> dict[int, torch.Generator]:
+        # Greedy rows never draw, so a seed on them is moot.
+        return {r: g for r in range(n) if (g := self.generators[r]) is not None and not self.is_greedy[r]}
+
+    def _min_token_bans(self, n: int) -> dict[int, list[int]]:
+        return {
+            r: self.stop_ids[r]
+            for r in range(n)
+            if self.min_tokens[r] and self.stop_ids[r] and len(self.output_token_ids[r]) < self.min_tokens[r]
+        }
+
+    def _padded_prompts(self, n: int) -> torch.Tensor | None:
+        # Only rows with a repetition penalty look at their prompt.
+        rows = [self.prompt_token_ids[r] if self.repetition[r] != 1.0 else [] for r in range(n)]
+        width = max((len(p) for p in rows), default=0)
+        if width == 0:
+            return None
+        padded = torch.full((n, width), -1, dtype=torch.int64)
+        for r, ids in enumerate(rows):
+            if ids:
+                padded[r, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        return padded.to(self.device)
+
+    def _logit_bias_triple(self, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        for r in range(n):
+            for token_id, bias in (self.logit_bias[r] or {}).items():
+                rows.append(r)
+                cols.append(token_id)
+                vals.append(bias)
+        if not rows:
+            return None
+        dev = self.device
+        return (
+            torch.tensor(rows, dtype=torch.int64, device=dev),
+            torch.tensor(cols, dtype=torch.int64, device=dev),
+            torch.tensor(vals, dtype=torch.float32, device=dev),
+        )
+
+    # ------------------------------------------------------------ helpers
+
+    def _make_generator(self, seed: int) -> torch.Generator:
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(seed)
+        return gen
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.presence,
+            self.frequency,
+            self.repetition,
+        )
+
+    def _lists(self) -> tuple[list, ...]:
+        return (
+            self.occupied,
+            self.is_greedy,
+            self.min_tokens,
+            self.stop_ids,
+            self.generators,
+            self.logit_bias,
+            self.num_logprobs,
+            self.prompt_token_ids,
+            self.output_token_ids,
+        )
+
+    def _clear(self, row: int) -> None:
+        # Neutral values: an empty row behaves as a greedy request with nothing switched on.
+        self.temperature[row] = 1.0
+        self.top_k[row] = 0
+        self.top_p[row] = 1.0
+        self.min_p[row] = 0.0
+        self.presence[row] = 0.0
+        self.frequency[row] = 0.0
+        self.repetition[row] = 1.0
+        self.occupied[row] = False
+        self.is_greedy[row] = True
+        self.min_tokens[row] = 0
+        self.stop_ids[row] = []
+        self.generators[row] = None
+        self.logit_bias[row] = None
+        self.num_logprobs[row] = None
+        self.prompt_token_ids[row] = []
+        self.output_token_ids[row] = []
+
+    def _check_row(self, row: int) -> None:
+        if not 0 <= row < self.max_num_reqs:
+            raise IndexError(f"row {row} is outside the batch of {self.max_num_reqs} rows.")
+
+
+def _copy_without_generators(md: SamplingMetadata, rows: Sequence[int]) -> SamplingMetadata:
+    out = copy.copy(md)
+    skip = set(rows)
+    out.generators = {r: g for r, g in md.generators.items() if r not in skip}
+    return out
