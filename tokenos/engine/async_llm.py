@@ -1,0 +1,144 @@
+"""`AsyncLLM`: the server's frontend engine, in process 0.
+
+It tokenizes and validates (`Processor`), sends `EngineCoreRequest`s to the engine-core
+process over ZeroMQ (`AsyncEngineCoreClient`), and turns the streamed `EngineCoreOutput`s
+back into `RequestOutput`s with incremental detokenization and stop strings
+(`OutputProcessor`). Cancelling a `generate` (client disconnect) aborts the request in the
+core, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+from collections.abc import AsyncIterator
+
+from tokenos.engine.args import EngineArgs
+from tokenos.engine.core_client import AsyncEngineCoreClient, EngineDeadError, RequestStream
+from tokenos.engine.output_processor import OutputProcessor
+from tokenos.engine.processor import Processor, PromptType
+from tokenos.engine.tokenizer import load_tokenizer
+from tokenos.outputs import RequestOutput
+from tokenos.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def make_engine_core(args: EngineArgs):
+    """Runs in the engine-core process (picklable by name)."""
+    from tokenos.engine.core import EngineCore
+
+    return EngineCore(args)
+
+
+class AsyncLLM:
+    def __init__(self, engine_args: EngineArgs, *, metrics=None) -> None:
+        from tokenos.models.config import load_model_config
+
+        self.engine_args = engine_args
+        self.model_config = load_model_config(
+            engine_args.model, dtype=engine_args.dtype, max_model_len=engine_args.max_model_len
+        )
+        self.served_model_name = engine_args.served_model_name or self.model_config.name
+        self.tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
+        self.processor = Processor(self.tokenizer, self.model_config)
+        self.metrics = metrics
+        stats_handler = metrics.update_from_engine_stats if metrics is not None else None
+        self.client = AsyncEngineCoreClient(
+            make_engine_core, {"args": engine_args}, stats_handler=stats_handler
+        )
+        self.model_info = self.client.start()
+
+    @property
+    def errored(self) -> bool:
+        return self.client.errored
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        return self.client.dead_error
+
+    async def check_health(self) -> None:
+        await self.client.check_health()
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream `RequestOutput`s for one request (kind per `sampling_params.output_kind`)."""
+        text, token_ids = self.processor.tokenize_prompt(prompt)
+        params = copy.copy(sampling_params)
+        requests = self.processor.make_requests(
+            request_id, token_ids, params, priority=priority, cache_salt=cache_salt
+        )
+        processor = OutputProcessor(self.tokenizer, self.metrics)
+        child_ids = [r.request_id for r in requests]
+        processor.add_request(request_id, text, token_ids, params, child_ids)
+        streams = [await self.client.add_request_async(r) for r in requests]
+        try:
+            async for out in _merge(streams):
+                ready, to_abort = processor.process_outputs([out])
+                if to_abort:
+                    await self.client.abort_requests_async(to_abort)
+                for request_output in ready:
+                    yield request_output
+                if not processor.has_unfinished_requests():
+                    return
+        finally:
+            leftover = processor.abort_request(request_id)
+            if leftover and not self.client.errored:
+                await self.client.abort_requests_async(leftover)
+
+    async def abort(self, request_id: str) -> None:
+        await self.client.abort_requests_async([request_id])
+
+    async def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.client.call_utility_async("reset_prefix_cache")
+
+    async def get_stats(self) -> dict:
+        return await self.client.call_utility_async("get_stats")
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator:
+    """Interleave several request streams (n > 1 samples) in arrival order."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(stream: RequestStream) -> None:
+        try:
+            async for item in stream:
+                await queue.put(item)
+        except BaseException as e:  # engine death or rejection reaches the consumer
+            await queue.put(e)
+        finally:
+            await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
