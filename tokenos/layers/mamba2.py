@@ -1,0 +1,384 @@
+"""Mamba2 (SSD) mixer over a varlen batch of requests with per-request recurrent state.
+
+Idea: the mixer is ``in_proj -> causal conv (rolling state) -> selective scan (SSM state) -> gated RMSNorm
+-> out_proj``. Its whole history lives in two fixed-size tensors per request:
+
+- conv state ``[conv_kernel - 1, conv_dim]``: the last ``K - 1`` conv inputs (token-major rows);
+- SSM state ``[num_heads, head_dim, state_size]``: ``h_t = exp(dt_t * A) h_{t-1} + dt_t x_t B_t^T``.
+
+A request with one new token takes the recurrent step; longer ones take the SSD chunked scan (intra-chunk
+quadratic "attention" plus a sequential pass carrying state across chunks), starting from the given state.
+Both read and write the caller's state tensors in place, so any split of a sequence gives the same result
+as one pass (up to float rounding). With ``forward_with_checkpoints`` the scan's chunks are aligned to
+absolute positions and the states at multiples of a granularity come out of the same pass, for
+prefix caching.
+
+Semantics follow transformers' ``Mamba2Mixer`` torch path (and Bamba, GraniteMoeHybrid, NemotronH, which
+share it), with one deliberate difference: ``time_step_limit`` clamps dt in the decode step too, so that
+decode equals prefill for any limits (transformers clamps only in the chunked path; equal at the default
+``(0, inf)``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenos.layers.short_conv import (
+    ChunkLayout,
+    RecurrentBatch,
+    StateCheckpoints,
+    causal_conv1d_varlen,
+)
+
+
+def _first(config: object, *names: str, default: object = None) -> object:
+    """The first attribute of ``config`` among ``names`` that is set (families name the same thing apart)."""
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    if default is None:
+        raise ValueError(f"config has none of {names}")
+    return default
+
+
+@dataclass(frozen=True)
+class Mamba2Dims:
+    """Everything the mixer needs from a model config, under one spelling."""
+
+    hidden_size: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int
+    chunk_size: int
+    use_bias: bool = False
+    use_conv_bias: bool = True
+    eps: float = 1e-5
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+    activation: str = "silu"
+
+    @property
+    def intermediate_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.intermediate_size + 2 * self.n_groups * self.state_size
+
+    @classmethod
+    def from_config(cls, config: object) -> Mamba2Dims:
+        """Read a transformers Mamba2 / Bamba / GraniteMoeHybrid / NemotronH config (mamba_* names first,
+        since hybrid configs also carry attention's ``head_dim``)."""
+        limit = tuple(_first(config, "time_step_limit", default=(0.0, float("inf"))))
+        if getattr(config, "model_type", "") == "nemotron_h":
+            # transformers' NemotronH mixer ignores time_step_limit and clamps at time_step_min.
+            limit = (float(config.time_step_min), float("inf"))
+        dims = cls(
+            hidden_size=int(config.hidden_size),
+            num_heads=int(_first(config, "mamba_n_heads", "mamba_num_heads", "num_heads")),
+            head_dim=int(_first(config, "mamba_d_head", "mamba_head_dim", "head_dim")),
+            state_size=int(_first(config, "mamba_d_state", "ssm_state_size", "state_size")),
+            n_groups=int(_first(config, "mamba_n_groups", "n_groups")),
+            conv_kernel=int(_first(config, "mamba_d_conv", "conv_kernel")),
+            chunk_size=int(_first(config, "mamba_chunk_size", "chunk_size")),
+            use_bias=bool(_first(config, "use_bias", "mamba_proj_bias", default=False)),
+            use_conv_bias=bool(_first(config, "mamba_conv_bias", "use_conv_bias", default=True)),
+            eps=float(_first(config, "layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
+            time_step_limit=(float(limit[0]), float(limit[1])),
+            activation=str(_first(config, "mamba_hidden_act", "hidden_act", default="silu")),
+        )
+        if dims.activation not in ("silu", "swish"):
+            raise ValueError(f"Mamba2 conv activation {dims.activation!r} is not supported (only silu)")
+        if dims.num_heads % dims.n_groups:
+            raise ValueError(f"num_heads {dims.num_heads} must be a multiple of n_groups {dims.n_groups}")
+        return dims
+
+
+def _default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy a checkpoint tensor; tolerate squeezed singleton dims (``conv1d.weight`` as ``[C, K]``)."""
+    if loaded.numel() != param.numel() or loaded.squeeze().shape != param.squeeze().shape:
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(loaded.reshape(param.shape))
+
+
+def make_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialized inference parameter that knows how to load itself from a checkpoint tensor."""
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = _default_weight_loader
+    return param
+
+
+class WeightHolder(nn.Module):
+    """A named ``weight`` (+ optional ``bias``): keeps parameter names equal to the checkpoint's."""
+
+    def __init__(self, weight_shape: tuple[int, ...], bias_size: int | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = make_param(*weight_shape, dtype=dtype)
+        self.bias = None if bias_size is None else make_param(bias_size, dtype=dtype)
+
+
+def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Load ``(name, tensor)`` pairs named relative to ``module``; returns the names loaded."""
+    params = dict(module.named_parameters())
+    loaded = set()
+    for name, tensor in weights:
+        if name not in params:
+            raise KeyError(f"unexpected weight {name!r}; this layer has {sorted(params)}")
+        param = params[name]
+        getattr(param, "weight_loader", _default_weight_loader)(param, tensor)
+        loaded.add(name)
+    return loaded
+
+
+def segment_sum(a: torch.Tensor) -> torch.Tensor:
+    """``out[..., i, j] = sum(a[..., j+1 : i+1])`` for ``j <= i``, else ``-inf`` (masked cumsum: stable)."""
+    c = a.shape[-1]
+    x = a[..., None].expand(*a.shape, c)
+    x = x.masked_fill(~torch.tril(torch.ones(c, c, dtype=torch.bool, device=a.device), -1), 0)
+    x = x.cumsum(dim=-2)
+    return x.masked_fill(~torch.tril(torch.ones(c, c, dtype=torch.bool, device=a.device)), -torch.inf)
+
+
+def ssd_chunk_scan(
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    layout: ChunkLayout,
+    initial_states: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD chunked scan over the prefill requests of ``layout``, without the D skip.
+
+    Args (flat over all tokens of the batch; only ``layout.token_src`` rows are read):
+        x ``[T, H, P]``, dt ``[T, H]`` (after softplus and clamp), A ``[H]`` (negative), B/C ``[T, H, N]``
+        (already expanded from groups to heads), initial_states ``[num_prefill, H, P, N]``.
+    Returns:
+        y ``[len(token_src), H, P]`` and boundary states ``[num_prefill, max_chunks + 1, H, P, N]``:
+        ``[:, 0]`` the initial state, ``[:, j + 1]`` the state after the request's chunk ``j``.
+    """
+    xc, dtc, Bc, Cc = (layout.to_chunks(t) for t in (x, dt, B, C))
+    a = (dtc * A).transpose(1, 2)  # [n, H, c]: log-decay of each step; 0 on identity tokens
+    a_cum = a.cumsum(dim=-1)
+    x_dt = xc * dtc[..., None]
+    # Within a chunk: y_l = sum_{s<=l} (C_l . B_s) exp(a_cum_l - a_cum_s) dt_s x_s.
+    scores = torch.einsum("nlhd,nshd->nhls", Cc, Bc) * torch.exp(segment_sum(a))
+    y = torch.einsum("nhls,nshp->nlhp", scores, x_dt)
+    # Each chunk's own contribution to the state at its end, and its total decay.
+    decay_to_end = torch.exp(a_cum[..., -1:] - a_cum)
+    chunk_states = torch.einsum("nlhd,nhl,nlhp->nhpd", Bc, decay_to_end, x_dt)
+    chunk_decay = torch.exp(a_cum[..., -1])
+    boundary = _carry_across_chunks(chunk_states, chunk_decay, layout.chunk_table, initial_states)
+    # Across chunks: y_l += exp(a_cum_l) C_l . h_start.
+    start = torch.zeros_like(chunk_states)
+    if layout.chunk_table.numel():
+        start[layout.chunk_table.reshape(-1)] = boundary[:, :-1].reshape(-1, *boundary.shape[2:])
+    y = y + torch.einsum("nlhd,nhpd->nlhp", Cc, start) * torch.exp(a_cum).transpose(1, 2)[..., None]
+    return layout.from_chunks(y), boundary
+
+
+def _carry_across_chunks(
+    chunk_states: torch.Tensor, chunk_decay: torch.Tensor, table: torch.Tensor, initial: torch.Tensor
+) -> torch.Tensor:
+    """Sequential pass ``h <- decay_j h + s_j`` over each request's chunks (identity chunk past its end)."""
+    state = initial
+    out = [initial]
+    for j in range(table.shape[1]):
+        ids = table[:, j]
+        state = state * chunk_decay[ids][:, :, None, None] + chunk_states[ids]
+        out.append(state)
+    return torch.stack(out, dim=1)
+
+
+def ssd_recurrent_step(
+    state: torch.Tensor, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per request: state ``[R, H, P, N]``, x ``[R, H, P]``, dt ``[R, H]``, B/C ``[R, H, N]``.
+    Returns ``(y [R, H, P] without the D skip, new state)``."""
+    decay = torch.exp(dt * A)[:, :, None, None]
+    state = state * decay + (dt[..., None] * x)[..., None] * B[:, :, None, :]
+    return torch.einsum("rhpn,rhn->rhp", state, C), state
+
+
+class Mamba2Mixer(nn.Module):
+    """The Mamba2 mixer; parameter names and shapes equal transformers' (``in_proj.weight``,
+    ``conv1d.weight`` ``[conv_dim, 1, K]``, ``conv1d.bias``, ``dt_bias``, ``A_log``, ``D``, ``norm.weight``,
+    ``out_proj.weight``), so ``load_weights`` takes checkpoint names with the layer prefix stripped."""
+
+    def __init__(self, config: object, params_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        d = config if isinstance(config, Mamba2Dims) else Mamba2Dims.from_config(config)
+        self.dims = d
+        proj_size = 2 * d.intermediate_size + 2 * d.n_groups * d.state_size + d.num_heads
+        self.in_proj = WeightHolder(
+            (proj_size, d.hidden_size), proj_size if d.use_bias else None, params_dtype)
+        self.conv1d = WeightHolder((d.conv_dim, 1, d.conv_kernel), d.conv_dim if d.use_conv_bias else None,
+                                   params_dtype)
+        self.dt_bias = make_param(d.num_heads, dtype=params_dtype)
+        self.A_log = make_param(d.num_heads, dtype=params_dtype)
+        self.D = make_param(d.num_heads, dtype=params_dtype)
+        self.norm = WeightHolder((d.intermediate_size,), None, params_dtype)
+        self.out_proj = WeightHolder(
+            (d.hidden_size, d.intermediate_size), d.hidden_size if d.use_bias else None, params_dtype)
+
+    @staticmethod
+    def state_shapes(
+        config: object, dtype: str = "float32", ssm_dtype: str | None = None
+    ) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
+        """Per-request state: ``((K - 1, conv_dim), (num_heads, head_dim, state_size))`` and their dtypes."""
+        d = config if isinstance(config, Mamba2Dims) else Mamba2Dims.from_config(config)
+        shapes = ((d.conv_kernel - 1, d.conv_dim), (d.num_heads, d.head_dim, d.state_size))
+        return shapes, (dtype, ssm_dtype or dtype)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load checkpoint tensors named relative to this mixer (``in_proj.weight`` ...)."""
+        return load_named_weights(self, weights)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        batch: RecurrentBatch,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+    ) -> torch.Tensor:
+        """``hidden_states [num_tokens, hidden]`` -> ``[num_tokens, hidden]``; states advanced in place."""
+        out, _ = self._run(hidden_states, batch, conv_state, ssm_state, checkpoint_every=None)
+        return out
+
+    def forward_with_checkpoints(
+        self,
+        hidden_states: torch.Tensor,
+        batch: RecurrentBatch,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        checkpoint_every: int,
+    ) -> tuple[torch.Tensor, StateCheckpoints]:
+        """Like ``forward``, and also return the states after every absolute multiple of
+        ``checkpoint_every`` tokens reached in this step (``batch.num_computed_tokens`` required)."""
+        out, ckpt = self._run(hidden_states, batch, conv_state, ssm_state, checkpoint_every)
+        assert ckpt is not None
+        return out, ckpt
+
+    def _run(
+        self,
+        hidden_states: torch.Tensor,
+        batch: RecurrentBatch,
+        conv_state: torch.Tensor,
+        ssm_state: torch.Tensor,
+        checkpoint_every: int | None,
+    ) -> tuple[torch.Tensor, StateCheckpoints | None]:
+        d = self.dims
+        num_tokens = hidden_states.shape[0]
+        if num_tokens != batch.num_tokens:
+            raise ValueError(f"hidden_states has {num_tokens} tokens, the batch {batch.num_tokens}")
+        proj = F.linear(hidden_states, self.in_proj.weight, self.in_proj.bias)
+        gate, xbc, dt = proj.split([d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
+        positions = None if checkpoint_every is None else batch.checkpoint_positions(checkpoint_every)
+        xbc, conv_snaps = causal_conv1d_varlen(
+            xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, batch, positions)
+        group_dim = d.n_groups * d.state_size
+        x, B, C = xbc.split([d.intermediate_size, group_dim, group_dim], dim=-1)
+        x = x.reshape(num_tokens, d.num_heads, d.head_dim)
+        heads_per_group = d.num_heads // d.n_groups
+        B = B.reshape(num_tokens, d.n_groups, d.state_size).repeat_interleave(heads_per_group, dim=1)
+        C = C.reshape(num_tokens, d.n_groups, d.state_size).repeat_interleave(heads_per_group, dim=1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*d.time_step_limit)
+        A = -torch.exp(self.A_log.float())
+
+        y, states = self._scan(x, dt, A, B, C, batch, ssm_state, checkpoint_every, positions)
+        y = y + self.D.float()[:, None] * x
+        y = _gated_rms_norm(y.reshape(num_tokens, d.intermediate_size), gate, self.norm.weight,
+                            d.intermediate_size // d.n_groups, d.eps)
+        out = F.linear(y.to(hidden_states.dtype), self.out_proj.weight, self.out_proj.bias)
+        if positions is None:
+            return out, None
+        return out, _checkpoints(batch, positions, conv_snaps, states)
+
+    def _scan(
+        self,
+        x: torch.Tensor,
+        dt: torch.Tensor,
+        A: torch.Tensor,
+        B: torch.Tensor,
+        C: torch.Tensor,
+        batch: RecurrentBatch,
+        ssm_state: torch.Tensor,
+        checkpoint_every: int | None,
+        positions: list[tuple[int, int]] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Decode requests by the recurrent step, prefill requests by the chunked scan; write final states.
+        Returns y ``[T, H, P]`` and, when checkpointing, the SSM state at each of ``positions``."""
+        y = torch.zeros_like(x, dtype=torch.float32)
+        decoded = prefill = boundary = layout = None
+        if batch.decode_reqs:
+            tok = batch.decode_token_index
+            y[tok], decoded = ssd_recurrent_step(
+                batch.read_states(ssm_state, batch.decode_reqs), x[tok].float(), dt[tok], A, B[tok].float(),
+                C[tok].float())
+            batch.write_states(ssm_state, batch.decode_reqs, decoded)
+        if batch.prefill_reqs:
+            chunk = self.dims.chunk_size if checkpoint_every is None else math.gcd(self.dims.chunk_size,
+                                                                                   checkpoint_every)
+            layout = batch.chunk_layout(chunk, align=checkpoint_every is not None)
+            y[layout.token_src], boundary = ssd_chunk_scan(
+                x, dt, A, B, C, layout, batch.read_states(ssm_state, batch.prefill_reqs))
+            last = torch.tensor(layout.chunks_per_req, device=x.device)
+            prefill = boundary[torch.arange(len(last), device=x.device), last]
+            batch.write_states(ssm_state, batch.prefill_reqs, prefill)
+        if positions is None:
+            return y, None
+        return y, _states_at(batch, positions, decoded, boundary, layout)
+
+
+def _states_at(
+    batch: RecurrentBatch,
+    positions: list[tuple[int, int]],
+    decoded: torch.Tensor | None,
+    boundary: torch.Tensor | None,
+    layout: ChunkLayout | None,
+) -> torch.Tensor | None:
+    """Pick the state after ``n`` new tokens of request ``r`` for each ``(r, n)`` from the step's results:
+    a decode request's only reachable state is its new one; a prefill request's is a chunk boundary."""
+    decode_pos = {r: i for i, r in enumerate(batch.decode_reqs)}
+    prefill_pos = {r: i for i, r in enumerate(batch.prefill_reqs)}
+    picked = []
+    for r, n in positions:
+        if r in decode_pos:
+            picked.append(decoded[decode_pos[r]])
+        else:
+            p = prefill_pos[r]
+            picked.append(boundary[p, layout.chunk_of(p, n) + 1])
+    return torch.stack(picked) if picked else None
+
+
+def _checkpoints(
+    batch: RecurrentBatch,
+    positions: list[tuple[int, int]],
+    conv_snaps: torch.Tensor | None,
+    states: torch.Tensor | None,
+) -> StateCheckpoints:
+    req = torch.tensor([r for r, _ in positions], dtype=torch.long)
+    num = torch.tensor([batch.num_computed_tokens[r] + n for r, n in positions], dtype=torch.long)
+    if not positions:
+        empty = torch.zeros(0)
+        return StateCheckpoints(req, num, empty, empty)
+    return StateCheckpoints(req, num, conv_snaps, states)
+
+
+def _gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group: int, eps: float
+                    ) -> torch.Tensor:
+    """``weight * rmsnorm_per_group(y * silu(gate))`` in float32 (norm after gate, as Mamba2 does)."""
+    y = y.float() * F.silu(gate.float())
+    g = y.reshape(*y.shape[:-1], -1, group)
+    g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.float() * g.reshape(y.shape)

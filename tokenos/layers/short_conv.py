@@ -1,0 +1,249 @@
+"""Shared machinery of the recurrent-state layers (Mamba2, gated DeltaNet): the batch, the short conv, chunks.
+
+Idea: a step's input is one flat token stream cut into requests by ``query_start_loc``; each request owns a
+fixed-size state (a checkpoint of its whole prefix) that the layer reads, advances over the request's new
+tokens, and writes back in place. Prefill and decode are not modes: a request with one new token takes the
+cheap recurrent step, a longer one the chunk-parallel scan, both in the same call.
+
+Three pieces live here because both layer families need them:
+
+- ``RecurrentBatch``: per-step metadata (lengths, which requests decode, where states live), built once
+  by the worker and shared by every recurrent layer of the step.
+- ``causal_conv1d_varlen``: the depthwise causal conv with a ROLLING state, the last ``K - 1`` inputs.
+  Each request's rows are laid out as ``[state ; new inputs]`` in one buffer, so the conv of any split of a
+  sequence equals the conv of the whole sequence, and the state after any prefix is a slice of that buffer.
+- ``ChunkLayout``: the prefill tokens cut into fixed-size chunks, one request never sharing a chunk, padded
+  with identity tokens (tokens that leave the state unchanged: zero step size / zero write strength). With
+  ``align=True`` each request is left-padded so chunk ends fall on absolute multiples of the chunk size,
+  which makes the state at those positions a free by-product of the scan (prefix-cache checkpoints).
+  One extra all-padding chunk at the end is the identity chunk that the per-request chunk table points at
+  past a request's last chunk, so the sequential inter-chunk pass needs no masks.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+class RecurrentBatch:
+    """Per-step metadata for the recurrent layers, computed once and shared by every layer.
+
+    Args:
+        query_start_loc: ``[num_reqs + 1]`` int tensor; request ``r`` owns flat tokens
+            ``query_start_loc[r]:query_start_loc[r+1]`` (zero-length requests are allowed and untouched).
+        has_initial_state: ``[num_reqs]`` bool; False means "start from zeros" (whatever the slot holds).
+        state_indices: optional ``[num_reqs]`` int; if given, the state tensors passed to a layer are whole
+            pools ``[num_slots, ...]`` and request ``r``'s state lives at row ``state_indices[r]``. If None,
+            the state tensors are ``[num_reqs, ...]`` (gathered by the caller, or views).
+        num_computed_tokens: optional ``[num_reqs]`` int, the number of tokens each request's state already
+            summarizes (its absolute start position). Needed only to place prefix-cache checkpoints.
+    """
+
+    def __init__(
+        self,
+        query_start_loc: torch.Tensor,
+        has_initial_state: torch.Tensor,
+        state_indices: torch.Tensor | None = None,
+        num_computed_tokens: torch.Tensor | None = None,
+    ) -> None:
+        qsl = [int(v) for v in query_start_loc.tolist()]
+        if len(qsl) < 1 or qsl[0] != 0 or any(b < a for a, b in zip(qsl, qsl[1:], strict=False)):
+            raise ValueError(f"query_start_loc must start at 0 and be non-decreasing, got {qsl}")
+        self.device = query_start_loc.device
+        self.query_start_loc = qsl
+        self.num_reqs = len(qsl) - 1
+        self.num_tokens = qsl[-1]
+        self.lengths = [b - a for a, b in zip(qsl, qsl[1:], strict=False)]
+        if has_initial_state.shape != (self.num_reqs,):
+            raise ValueError(f"has_initial_state must have shape ({self.num_reqs},)")
+        self.has_initial_state = has_initial_state.to(device=self.device, dtype=torch.bool)
+        if state_indices is None:
+            self.state_rows = torch.arange(self.num_reqs, device=self.device)
+        else:
+            self.state_rows = state_indices.to(device=self.device, dtype=torch.long)
+        self.num_computed_tokens = None if num_computed_tokens is None else [
+            int(v) for v in num_computed_tokens.tolist()
+        ]
+        # One new token: the recurrent step. More: the chunked scan. Zero: nothing to do.
+        self.decode_reqs = [r for r, n in enumerate(self.lengths) if n == 1]
+        self.prefill_reqs = [r for r, n in enumerate(self.lengths) if n > 1]
+        self.decode_token_index = torch.tensor([qsl[r] for r in self.decode_reqs], dtype=torch.long,
+                                               device=self.device)
+        self._conv_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._chunk_layouts: dict[tuple[int, bool], ChunkLayout] = {}
+
+    def read_states(self, state: torch.Tensor, reqs: list[int] | None = None) -> torch.Tensor:
+        """Gather the states of ``reqs`` (default all) as float32, zeros where there is no initial state."""
+        idx = torch.arange(self.num_reqs, device=self.device) if reqs is None else torch.tensor(
+            reqs, dtype=torch.long, device=self.device)
+        rows = state.index_select(0, self.state_rows[idx]).float()
+        keep = self.has_initial_state[idx].view(-1, *([1] * (rows.dim() - 1)))
+        return torch.where(keep, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
+
+    def write_states(self, state: torch.Tensor, reqs: list[int], new: torch.Tensor) -> None:
+        """Write ``new[i]`` as the state of request ``reqs[i]``, in place in ``state``."""
+        if not reqs:
+            return
+        idx = torch.tensor(reqs, dtype=torch.long, device=self.device)
+        state.index_copy_(0, self.state_rows[idx], new.to(state.dtype))
+
+    def checkpoint_positions(self, every: int) -> list[tuple[int, int]]:
+        """``(request, tokens into this step)`` for every absolute multiple of ``every`` this step reaches."""
+        if self.num_computed_tokens is None:
+            raise ValueError("checkpoints need num_computed_tokens (absolute positions) in the batch")
+        if every <= 0:
+            raise ValueError(f"checkpoint_every must be positive, got {every}")
+        out = []
+        for r, (start, n) in enumerate(zip(self.num_computed_tokens, self.lengths, strict=True)):
+            first = (start // every + 1) * every
+            out.extend((r, pos - start) for pos in range(first, start + n + 1, every))
+        return out
+
+    def conv_rows(self, kernel_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of the ``[state ; inputs]`` conv buffer: (token rows ``[T]``, state-start rows ``[R]``)."""
+        if kernel_size not in self._conv_rows:
+            k1 = kernel_size - 1
+            lengths = torch.tensor(self.lengths, dtype=torch.long, device=self.device)
+            req_of_token = torch.repeat_interleave(torch.arange(self.num_reqs, device=self.device), lengths)
+            token_rows = torch.arange(self.num_tokens, device=self.device) + (req_of_token + 1) * k1
+            qsl = torch.tensor(self.query_start_loc[:-1], dtype=torch.long, device=self.device)
+            state_start = qsl + torch.arange(self.num_reqs, device=self.device) * k1
+            self._conv_rows[kernel_size] = (token_rows, state_start)
+        return self._conv_rows[kernel_size]
+
+    def chunk_layout(self, chunk_size: int, align: bool) -> ChunkLayout:
+        key = (chunk_size, align)
+        if key not in self._chunk_layouts:
+            self._chunk_layouts[key] = ChunkLayout.build(self, chunk_size, align)
+        return self._chunk_layouts[key]
+
+
+@dataclass(frozen=True)
+class StateCheckpoints:
+    """States after intermediate prefixes, for prefix caching: entry ``i`` is request ``req_indices[i]``'s
+    state after exactly ``num_tokens[i]`` tokens (absolute, a multiple of the checkpoint granularity)."""
+
+    req_indices: torch.Tensor
+    num_tokens: torch.Tensor
+    conv_states: torch.Tensor
+    recurrent_states: torch.Tensor
+
+
+def causal_conv1d_varlen(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    batch: RecurrentBatch,
+    snapshots: list[tuple[int, int]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Depthwise causal conv1d + SiLU over a varlen batch with a rolling state, updated in place.
+
+    Args:
+        x: ``[num_tokens, channels]`` conv inputs.
+        weight: ``[channels, K]`` (the HF ``conv1d.weight`` squeezed).
+        conv_state: ``[num_reqs or num_slots, K - 1, channels]``: the last ``K - 1`` inputs before the step.
+        snapshots: optional ``(request, n)`` pairs; returns the conv state after the first ``n`` new tokens.
+    Returns:
+        ``(silu(conv(x)) [num_tokens, channels] float32, snapshot states [M, K - 1, channels] or None)``.
+    """
+    k = weight.shape[1]
+    k1 = k - 1
+    token_rows, state_start = batch.conv_rows(k)
+    channels = x.shape[1]
+    ext = x.new_empty((batch.num_tokens + batch.num_reqs * k1, channels), dtype=torch.float32)
+    window = torch.arange(k1, device=x.device)
+    if k1 > 0:
+        ext[(state_start[:, None] + window).reshape(-1)] = batch.read_states(conv_state).reshape(-1, channels)
+    ext[token_rows] = x.float()
+    # out[t] = sum_j w[:, j] * input[t - (K-1) + j]; K is tiny, so K gathers beat materializing windows.
+    w = weight.float()
+    out = ext[token_rows - k1] * w[:, 0]
+    for j in range(1, k):
+        out = out + ext[token_rows - k1 + j] * w[:, j]
+    if bias is not None:
+        out = out + bias.float()
+    lengths = torch.tensor(batch.lengths, dtype=torch.long, device=x.device)
+    new_state = ext[state_start[:, None] + lengths[:, None] + window]
+    done = [r for r, n in enumerate(batch.lengths) if n > 0]
+    if done:
+        batch.write_states(conv_state, done, new_state[done])
+    snap = None
+    if snapshots is not None:
+        reqs = torch.tensor([r for r, _ in snapshots], dtype=torch.long, device=x.device)
+        offs = torch.tensor([n for _, n in snapshots], dtype=torch.long, device=x.device)
+        snap = ext[state_start[reqs][:, None] + offs[:, None] + window]
+    return F.silu(out), snap
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Prefill tokens of a ``RecurrentBatch`` scattered into ``[num_chunks + 1, chunk_size]`` slots.
+
+    ``token_src[i]`` (a flat token index) sits at flat slot ``token_slot[i]``; request ``prefill_reqs[p]``
+    owns chunks ``chunk_table[p, :n_p]``, and ``chunk_table[p, j >= n_p]`` is the identity chunk (the
+    last one). ``left_pad[p]`` identity tokens precede the request's first token.
+    """
+
+    chunk_size: int
+    num_chunks: int
+    token_src: torch.Tensor
+    token_slot: torch.Tensor
+    chunk_table: torch.Tensor
+    chunks_per_req: list[int]
+    left_pad: list[int]
+
+    @staticmethod
+    def build(batch: RecurrentBatch, chunk_size: int, align: bool) -> ChunkLayout:
+        if align and batch.num_computed_tokens is None:
+            raise ValueError("aligned chunks need num_computed_tokens in the RecurrentBatch")
+        src, slot, counts, pads = [], [], [], []
+        first = 0
+        for r in batch.prefill_reqs:
+            n = batch.lengths[r]
+            pad = batch.num_computed_tokens[r] % chunk_size if align else 0
+            start = batch.query_start_loc[r]
+            src.append(torch.arange(start, start + n))
+            slot.append(torch.arange(n) + first * chunk_size + pad)
+            count = math.ceil((pad + n) / chunk_size)
+            counts.append(count)
+            pads.append(pad)
+            first += count
+        max_chunks = max(counts, default=0)
+        table = torch.full((len(counts), max_chunks), first, dtype=torch.long)
+        offset = 0
+        for p, count in enumerate(counts):
+            table[p, :count] = torch.arange(offset, offset + count)
+            offset += count
+        dev = batch.device
+        empty = torch.zeros(0, dtype=torch.long)
+        return ChunkLayout(
+            chunk_size=chunk_size,
+            num_chunks=first,
+            token_src=torch.cat(src).to(dev) if src else empty.to(dev),
+            token_slot=torch.cat(slot).to(dev) if slot else empty.to(dev),
+            chunk_table=table.to(dev),
+            chunks_per_req=counts,
+            left_pad=pads,
+        )
+
+    def to_chunks(self, x: torch.Tensor) -> torch.Tensor:
+        """``[num_tokens, *rest]`` -> ``[num_chunks + 1, chunk_size, *rest]`` float32, identity-padded."""
+        buf = x.new_zeros(((self.num_chunks + 1) * self.chunk_size, *x.shape[1:]), dtype=torch.float32)
+        buf[self.token_slot] = x[self.token_src].float()
+        return buf.view(self.num_chunks + 1, self.chunk_size, *x.shape[1:])
+
+    def from_chunks(self, y: torch.Tensor) -> torch.Tensor:
+        """``[num_chunks + 1, chunk_size, *rest]`` -> ``[num_prefill_tokens, *rest]``, ``token_src`` order."""
+        return y.reshape(-1, *y.shape[2:])[self.token_slot]
+
+    def chunk_of(self, p: int, tokens_in: int) -> int:
+        """Index ``j`` (into ``chunk_table[p]``) of the chunk ending right after ``tokens_in`` new tokens.
+
+        Only meaningful when ``left_pad[p] + tokens_in`` is a multiple of the chunk size or the request's end.
+        """
+        return math.ceil((self.left_pad[p] + tokens_in) / self.chunk_size) - 1
