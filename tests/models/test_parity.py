@@ -1,0 +1,101 @@
+"""Our models vs transformers on the same tiny random weights, over the paged KV cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+CASES = {
+    "llama_gqa_untied": ("llama", {}),
+    "llama_tied_mha": ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "llama3_rope": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        },
+    ),
+    "qwen2_bias": ("qwen2", {}),
+    "qwen2_sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen3_qk_norm": ("qwen3", {"tie_word_embeddings": True}),
+    "mistral_sliding": ("mistral", {"sliding_window": 8}),
+}
+
+PROMPT = [(i * 37 + 11) % 120 + 3 for i in range(45)]
+
+
+@pytest.fixture(params=list(CASES))
+def case(request, make_checkpoint, load_ours):
+    family, overrides = CASES[request.param]
+    folder, reference = make_checkpoint(family, **overrides)
+    model, config = load_ours(folder)
+    return model, config, reference
+
+
+def test_full_prefill_matches(case, parity):
+    model, config, reference = case
+    runner = parity.runner(model, config, block_size=16)
+    runner.step([(0, PROMPT)])
+    parity.assert_close(runner.request_logits(0), parity.logits(reference, PROMPT))
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_chunked_prefill_then_decode_matches(case, parity, block_size):
+    model, config, reference = case
+    runner = parity.runner(model, config, block_size=block_size, seed=block_size)
+    start = 0
+    for size in (7, 13, 1, 9):  # odd chunks, one of them a single token
+        runner.step([(0, PROMPT[start : start + size])])
+        start += size
+    for token in PROMPT[start:]:  # the rest as decode steps
+        runner.step([(0, [token])])
+    parity.assert_close(runner.request_logits(0), parity.logits(reference, PROMPT))
+
+
+def test_mixed_batch_matches(case, parity):
+    """Prefill chunks and decodes of several requests in the same forward, in mixed order."""
+    model, config, reference = case
+    prompts = {r: [(t * (r + 2) + r) % 125 + 2 for t in PROMPT[: 20 + 7 * r]] for r in range(4)}
+    schedule = {0: [5, 9, 1, 1, 1], 1: [12, 1, 1, 3, 1], 2: [1, 17, 2, 1, 1], 3: [26, 1, 1, 12, 1]}
+    runner = parity.runner(model, config, block_size=16, num_blocks=32, seed=3)
+    done = dict.fromkeys(prompts, 0)
+    for step in range(5):
+        order = [3, 1, 0, 2] if step % 2 else [0, 2, 3, 1]
+        work = []
+        for r in order:
+            n = schedule[r][step]
+            work.append((r, prompts[r][done[r] : done[r] + n]))
+            done[r] += n
+        runner.step(work)
+    for r, prompt in prompts.items():
+        parity.assert_close(runner.request_logits(r), parity.logits(reference, prompt[: done[r]]))
+
+
+def test_kv_cache_spec_names_and_windows(case):
+    model, config, _ = case
+    spec_module = pytest.importorskip("tokenos.core.kv_cache.spec")
+    specs = model.get_kv_cache_spec(16)
+    assert list(specs) == [f"model.layers.{i}.self_attn.attn" for i in range(config.num_hidden_layers)]
+    for spec, window in zip(specs.values(), config.layer_sliding_windows, strict=True):
+        assert spec.block_size == 16 and spec.head_size == config.head_dim and spec.dtype == "float32"
+        expected = spec_module.FullAttentionSpec if window is None else spec_module.SlidingWindowSpec
+        assert type(spec) is expected
+
+
+def test_bfloat16_close_to_float32(make_checkpoint, load_ours, parity):
+    folder, _ = make_checkpoint("llama")
+    ours32, config32 = load_ours(folder)
+    ours16, config16 = load_ours(folder, dtype="bfloat16")
+    assert config16.dtype == torch.bfloat16
+    run32 = parity.runner(ours32, config32, block_size=16)
+    run16 = parity.runner(ours16, config16, block_size=16)
+    for runner in (run32, run16):
+        runner.step([(0, PROMPT[:30])])
+        runner.step([(0, PROMPT[30:31])])
+    parity.assert_close(run16.request_logits(0), run32.request_logits(0), rel=0.1)

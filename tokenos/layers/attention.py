@@ -1,0 +1,326 @@
+"""Paged attention on CPU with torch: write this step's K/V into cache slots, then attend.
+
+Cache layout per layer: ``kv_cache[num_blocks, 2, block_size, num_kv_heads, head_size]``
+(block outermost; index 0 = K, 1 = V). Block 0 is the null block: padding reads it, nothing
+real lives there. Viewed flat as rows of ``[num_kv_heads, head_size]``, token ``offset`` of
+block ``b`` has its K at row ``b * rows_per_block + offset`` and its V ``block_size`` rows
+later; ``rows_per_block`` is ``2 * block_size`` unless pages are padded (hybrid models).
+
+A step mixes decodes (query_len == 1) and prefill chunks (query_len > 1, maybe after a
+cached prefix) in any order. Everything index-shaped is computed once per step in
+``AttentionMetadata``; each layer then does one ``index_copy_`` (write), one gather plus one
+masked SDPA for all decodes together (GQA by folding the query heads of a KV head into the
+query-length axis), and one SDPA per prefill chunk. Masked cache rows are multiplied by zero
+probabilities, so caches must hold finite values: allocate them with ``allocate_kv_cache``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class PrefillChunk:
+    """One request with query_len > 1: tokens [start, end) of the step, after ``num_computed``."""
+
+    req_index: int
+    start: int
+    end: int
+    num_computed: int
+    # Slots of positions [0, seq_len); None when there is no cached prefix, in which case the
+    # chunk attends to its own fresh K/V directly.
+    slots: torch.Tensor | None
+
+    @property
+    def seq_len(self) -> int:
+        return self.num_computed + self.end - self.start
+
+
+@dataclass
+class AttentionMetadata:
+    """Per-step attention inputs, shared by every layer of the forward."""
+
+    num_reqs: int
+    num_actual_tokens: int
+    block_size: int
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs], tokens in the cache after this step
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
+    slot_mapping: torch.Tensor  # int64 [num_tokens], block_id * block_size + offset
+    decode_tokens: slice | torch.Tensor  # token indices of the decode requests
+    decode_seq_lens: torch.Tensor  # int64 [num_decodes]
+    decode_slots: torch.Tensor  # int64 [num_decodes, decode_max_len], padding -> slot 0 (null block)
+    decode_max_len: int
+    prefills: list[PrefillChunk]
+    _cache: dict = field(default_factory=dict, repr=False)  # masks and row indices, built on first use
+
+    @property
+    def num_decodes(self) -> int:
+        return len(self.decode_seq_lens)
+
+    def _rows(self, slots: torch.Tensor, rows_per_block: int) -> torch.Tensor:
+        """Flat-cache rows of K for ``slots`` followed by those of V, as one index."""
+        k_rows = (slots // self.block_size) * rows_per_block + slots % self.block_size
+        return torch.cat((k_rows, k_rows + self.block_size))
+
+    def write_rows(self, rows_per_block: int) -> torch.Tensor:
+        """int64 [2 * num_tokens]: where this step's K then V go."""
+        key = ("write", rows_per_block)
+        if key not in self._cache:
+            self._cache[key] = self._rows(self.slot_mapping, rows_per_block)
+        return self._cache[key]
+
+    def decode_rows(self, rows_per_block: int) -> torch.Tensor:
+        """int64 [2 * num_decodes * decode_max_len]: the decodes' padded K then V rows."""
+        key = ("decode_rows", rows_per_block)
+        if key not in self._cache:
+            self._cache[key] = self._rows(self.decode_slots.reshape(-1), rows_per_block)
+        return self._cache[key]
+
+    def prefill_rows(self, i: int, rows_per_block: int) -> torch.Tensor:
+        key = ("prefill_rows", i, rows_per_block)
+        if key not in self._cache:
+            self._cache[key] = self._rows(self.prefills[i].slots, rows_per_block)
+        return self._cache[key]
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """bool [num_decodes, 1, 1, decode_max_len]: real (and in-window) cache positions."""
+        key = ("decode", window)
+        if key not in self._cache:
+            pos = torch.arange(self.decode_max_len)
+            lens = self.decode_seq_lens[:, None]
+            mask = pos < lens
+            if window is not None:
+                mask &= pos >= lens - window
+            self._cache[key] = mask[:, None, None, :]
+        return self._cache[key]
+
+    def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
+        """bool [query_len, seq_len] for chunk i, or None when plain causal SDPA is exact."""
+        chunk = self.prefills[i]
+        if chunk.num_computed == 0 and (window is None or chunk.seq_len <= window):
+            return None
+        key = ("prefill", i, window)
+        if key not in self._cache:
+            q_pos = torch.arange(chunk.num_computed, chunk.seq_len)[:, None]
+            k_pos = torch.arange(chunk.seq_len)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            self._cache[key] = mask
+        return self._cache[key]
+
+
+def kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_size: int) -> tuple[int, ...]:
+    return (num_blocks, 2, block_size, num_kv_heads, head_size)
+
+
+def allocate_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """A zeroed cache (zeros, not empty: masked padding rows must be finite)."""
+    return torch.zeros(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype)
+
+
+def _slots(block_table_rows: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slots of ``positions`` [n, L] given each row's block-table row [n, max_blocks]."""
+    blocks = torch.gather(block_table_rows, 1, positions // block_size).long()
+    return blocks * block_size + positions % block_size
+
+
+def make_attention_metadata(
+    block_table: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    slot_mapping: torch.Tensor,
+    block_size: int,
+) -> AttentionMetadata:
+    """Precompute every per-step index from a block table, per-request lengths and slots."""
+    num_reqs = len(query_lens)
+    qsl = [0]
+    for n in query_lens:
+        qsl.append(qsl[-1] + n)
+    decodes = [r for r in range(num_reqs) if query_lens[r] == 1]
+    dec_lens = torch.tensor([seq_lens[r] for r in decodes], dtype=torch.int64)
+    dec_max = int(dec_lens.max()) if decodes else 0
+    return AttentionMetadata(
+        num_reqs=num_reqs,
+        num_actual_tokens=qsl[-1],
+        block_size=block_size,
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        query_lens_list=list(query_lens),
+        seq_lens_list=list(seq_lens),
+        block_table=block_table,
+        slot_mapping=slot_mapping.long(),
+        decode_tokens=_token_selector([qsl[r] for r in decodes]),
+        decode_seq_lens=dec_lens,
+        decode_slots=_decode_slots(block_table, decodes, dec_lens, dec_max, block_size),
+        decode_max_len=dec_max,
+        prefills=_prefill_chunks(block_table, query_lens, seq_lens, qsl, block_size),
+    )
+
+
+def _token_selector(tokens: list[int]) -> slice | torch.Tensor:
+    """A slice when the tokens are consecutive (a view, no copy), else an index tensor."""
+    if tokens and tokens == list(range(tokens[0], tokens[0] + len(tokens))):
+        return slice(tokens[0], tokens[0] + len(tokens))
+    return torch.tensor(tokens, dtype=torch.int64)
+
+
+def _decode_slots(
+    block_table: torch.Tensor, decodes: list[int], lens: torch.Tensor, max_len: int, block_size: int
+) -> torch.Tensor:
+    if not decodes:
+        return torch.empty(0, 0, dtype=torch.int64)
+    rows = block_table[torch.tensor(decodes)]
+    pos = torch.arange(max_len).expand(len(decodes), max_len)
+    slots = _slots(rows, pos.clamp(max=rows.shape[1] * block_size - 1), block_size)
+    return slots.masked_fill(pos >= lens[:, None], 0)
+
+
+def _prefill_chunks(
+    block_table: torch.Tensor, query_lens: list[int], seq_lens: list[int], qsl: list[int], block_size: int
+) -> list[PrefillChunk]:
+    chunks = []
+    for r, q_len in enumerate(query_lens):
+        if q_len <= 1:
+            continue
+        num_computed = seq_lens[r] - q_len
+        slots = None
+        if num_computed > 0:
+            slots = _slots(block_table[r : r + 1], torch.arange(seq_lens[r])[None], block_size)[0]
+        chunks.append(PrefillChunk(r, qsl[r], qsl[r + 1], num_computed, slots))
+    return chunks
+
+
+def build_attention_metadata(
+    block_tables: list[list[int]],
+    num_computed: list[int],
+    num_scheduled: list[int],
+    block_size: int,
+    max_blocks: int | None = None,
+) -> AttentionMetadata:
+    """Metadata from plain lists: request r has ``num_computed[r]`` tokens cached in
+    ``block_tables[r]`` and runs ``num_scheduled[r]`` new ones this step."""
+    seq_lens = [c + s for c, s in zip(num_computed, num_scheduled, strict=True)]
+    width = max_blocks or max((len(b) for b in block_tables), default=1) or 1
+    for blocks, n in zip(block_tables, seq_lens, strict=True):
+        if len(blocks) * block_size < n or len(blocks) > width:
+            raise ValueError(
+                f"{len(blocks)} blocks cannot hold {n} tokens (block_size {block_size}, max {width})"
+            )
+    block_table = torch.zeros(len(block_tables), width, dtype=torch.int32)
+    for r, blocks in enumerate(block_tables):
+        block_table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    req = torch.repeat_interleave(
+        torch.arange(len(num_scheduled)), torch.tensor(num_scheduled, dtype=torch.int64)
+    )
+    starts = torch.tensor([0, *num_scheduled], dtype=torch.int64).cumsum(0)[:-1]
+    pos = torch.arange(len(req)) - starts[req] + torch.tensor(num_computed, dtype=torch.int64)[req]
+    slots = block_table[req, pos // block_size].long() * block_size + pos % block_size
+    return make_attention_metadata(block_table, num_scheduled, seq_lens, slots, block_size)
+
+
+def flat_cache_view(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The cache as rows [*, num_kv_heads, head_size], and how many rows apart blocks start.
+
+    Blocks may sit further apart than ``2 * block_size`` rows when a hybrid model pads its
+    pages; the padding rows are then part of the flat view but never addressed.
+    """
+    num_blocks, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    row = num_kv_heads * head_size
+    if kv_cache.is_contiguous():
+        return kv_cache.view(-1, num_kv_heads, head_size), 2 * block_size
+    if kv_cache.stride()[1:] != (block_size * row, row, head_size, 1) or kv_cache.stride(0) % row:
+        raise ValueError(f"KV cache strides {kv_cache.stride()} are not block-outermost pages of whole rows")
+    rows_per_block = kv_cache.stride(0) // row
+    flat = kv_cache.as_strided((num_blocks * rows_per_block, num_kv_heads, head_size), (row, head_size, 1))
+    return flat, rows_per_block
+
+
+class Attention(nn.Module):
+    """Paged multi-head attention with GQA and an optional sliding window (in tokens)."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] -> [T, H * D]."""
+        flat, rows_per_block = flat_cache_view(kv_cache)
+        flat.index_copy_(0, meta.write_rows(rows_per_block), torch.cat((k, v)).to(flat.dtype))
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            out[meta.decode_tokens] = self._decode(
+                q[meta.decode_tokens], flat, meta.decode_rows(rows_per_block), meta
+            )
+        for i, chunk in enumerate(meta.prefills):
+            rows = None if chunk.slots is None else meta.prefill_rows(i, rows_per_block)
+            out[chunk.start : chunk.end] = self._prefill(i, chunk, q, k, v, flat, rows, meta)
+        return out.view(q.shape[0], -1)
+
+    def _decode(
+        self, q: torch.Tensor, flat: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """All decodes at once: gather their padded K/V, then one masked SDPA."""
+        n, length = meta.num_decodes, meta.decode_max_len
+        kv = flat.index_select(0, rows).view(2, n, length, self.num_kv_heads, self.head_size)
+        k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+        group = self.num_heads // self.num_kv_heads
+        q = q.view(n, self.num_kv_heads, group, self.head_size).to(k.dtype)
+        mask = meta.decode_mask(self.sliding_window)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        return o.reshape(n, self.num_heads, self.head_size).to(q.dtype)
+
+    def _prefill(
+        self,
+        i: int,
+        chunk: PrefillChunk,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        flat: torch.Tensor,
+        rows: torch.Tensor | None,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One chunk: its fresh K/V when it starts at 0, else its whole cached sequence."""
+        if rows is None:
+            keys, values = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
+        else:
+            keys, values = flat.index_select(0, rows).view(2, chunk.seq_len, *flat.shape[1:]).unbind(0)
+        mask = meta.prefill_mask(i, self.sliding_window)
+        o = F.scaled_dot_product_attention(
+            q[chunk.start : chunk.end].transpose(0, 1),
+            keys.transpose(0, 1).to(q.dtype),
+            values.transpose(0, 1).to(q.dtype),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=self.scale,
+            enable_gqa=True,
+        )
+        return o.transpose(0, 1)

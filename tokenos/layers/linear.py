@@ -1,0 +1,68 @@
+"""Linear layers that know how to load their own weights.
+
+``Linear`` is a plain y = x W^T + b. ``QKVLinear`` and ``MergedLinear`` fuse several
+checkpoint matrices (q/k/v, gate/up) into one matmul; their ``weight_loader`` takes a
+``shard_id`` and copies the checkpoint tensor into its rows of the fused parameter.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+def _copy_rows(param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int) -> None:
+    target = param.data.narrow(0, offset, size)
+    if target.shape != loaded.shape:
+        raise ValueError(
+            f"Checkpoint shard of shape {tuple(loaded.shape)} for rows of shape {tuple(target.shape)}"
+        )
+    target.copy_(loaded)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); the weight has the checkpoint's [out, in] layout."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.weight = _param(output_size, input_size)
+        self.bias = _param(output_size) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
+    """Several linears sharing an input, stacked along the output (shard_id = index)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.output_sizes = output_sizes
+        for p in self.parameters():
+            p.weight_loader = self.weight_loader
+
+    def shard_offset(self, shard_id: int | str) -> tuple[int, int]:
+        index = int(shard_id)
+        return sum(self.output_sizes[:index]), self.output_sizes[index]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str) -> None:
+        _copy_rows(param, loaded, *self.shard_offset(shard_id))
+
+
+class QKVLinear(MergedLinear):
+    """Fused q, k, v projections (shard_id "q" / "k" / "v"); GQA means k and v are narrower."""
+
+    def __init__(
+        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+    ) -> None:
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias)
+
+    def shard_offset(self, shard_id: int | str) -> tuple[int, int]:
+        return super().shard_offset({"q": 0, "k": 1, "v": 2}[shard_id])

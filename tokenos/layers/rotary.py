@@ -1,0 +1,69 @@
+"""Rotary position embedding (HF rotate-half layout) with default, linear and llama3 scaling.
+
+cos/sin for every position up to max_position are computed once in float32 (the same
+products transformers computes per step), then gathered by ``positions`` each forward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1: long wavelengths divided by ``factor``, a smooth blend in between."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_len / low, old_len / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv_freq = _inv_freq(head_dim, theta)
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type != "default":
+        raise ValueError(f"Unsupported rope_type {rope_type!r}")
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q [T, H, D] and k [T, KVH, D] at the given positions [T]."""
+
+    def __init__(
+        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
+    ) -> None:
+        super().__init__()
+        freqs = torch.outer(
+            torch.arange(max_position, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling)
+        )
+        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
+        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

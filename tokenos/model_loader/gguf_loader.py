@@ -1,0 +1,125 @@
+"""GGUF checkpoints: the config from ``<arch>.*`` keys and weights dequantized to HF names.
+
+llama.cpp's converter renames every tensor (``blk.N.attn_q`` ...) and, for the llama
+architecture only, permutes the rows of q and k so that rotary pairs are interleaved. We
+rename back to Hugging Face names and undo that permutation, so the model code sees exactly
+what it would see from a safetensors folder.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+# GGUF tensor name (without blk.N. prefix and .weight/.bias suffix) -> HF module path.
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+@functools.lru_cache(maxsize=2)
+def open_gguf(path: str):
+    """One parsed reader per file: parsing the tokenizer arrays takes seconds, so do it once."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def _field(reader, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    return default if f is None else f.contents()
+
+
+def read_gguf_config(path: str) -> dict[str, Any]:
+    """ModelConfig fields (without dtype/max_model_len resolution) from a GGUF's metadata."""
+    from tokenos.models.config import GGUF_ARCHITECTURES
+
+    reader = open_gguf(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
+        )
+    hidden = _field(reader, f"{arch}.embedding_length")
+    heads = _field(reader, f"{arch}.attention.head_count")
+    names = {t.name for t in reader.tensors}
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    return {
+        "architecture": GGUF_ARCHITECTURES[arch],
+        "hidden_size": hidden,
+        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
+        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
+        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
+        "vocab_size": _field(reader, f"{arch}.vocab_size", int(embd.shape[-1])),
+        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "max_position_embeddings": _field(reader, f"{arch}.context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "qk_norm": "blk.0.attn_q_norm.weight" in names,
+        "sliding_window": None,
+        "eos_token_ids": _ids(_field(reader, "tokenizer.ggml.eos_token_id")),
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
+        "gguf_file": os.path.basename(path),
+        "checkpoint_dtype": None,
+    }
+
+
+def _ids(value: int | None) -> tuple[int, ...]:
+    return () if value is None else (int(value),)
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None if unknown."""
+    m = _BLOCK_RE.match(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}" if part in _LAYER_NAMES else None
+    base, _, kind = gguf_name.rpartition(".")
+    return f"{_GLOBAL_NAMES[base]}.{kind}" if base in _GLOBAL_NAMES else None
+
+
+def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (interleaved rotary pairs -> HF rotate-half layout)."""
+    dim = weight.shape[0] // n_head // 2
+    w = weight.reshape(n_head, dim, 2, *weight.shape[1:])
+    return w.swapaxes(2, 1).reshape(weight.shape)
+
+
+def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, float32 tensor) for every tensor, dequantized and un-permuted."""
+    from gguf.quants import dequantize
+
+    reader = open_gguf(path)
+    permuted = _field(reader, "general.architecture") == "llama"
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        if name is None:
+            continue  # e.g. rope_freqs: not a module weight
+        array = dequantize(tensor.data, tensor.tensor_type)
+        if permuted and name.endswith("q_proj.weight"):
+            array = unpermute_qk(array, num_heads)
+        elif permuted and name.endswith("k_proj.weight"):
+            array = unpermute_qk(array, num_kv_heads)
+        yield name, torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))

