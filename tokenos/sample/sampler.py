@@ -14,8 +14,10 @@ import torch
 
 from tokenos.core.outputs import TokenLogprobs
 from tokenos.sample import ops
-from tokenos.sample.logprobs import gather_logprobs
+from tokenos.sample.logprobs import compute_prompt_logprobs, gather_logprobs
 from tokenos.sample.metadata import SamplingMetadata
+
+__all__ = ["Sampler", "SamplerOutput", "compute_prompt_logprobs"]
 
 
 @dataclass
