@@ -21,7 +21,6 @@ decode equals prefill for any limits (transformers clamps only in the chunked pa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -33,19 +32,14 @@ from tokenos.layers.short_conv import (
     ChunkLayout,
     RecurrentBatch,
     StateCheckpoints,
+    WeightHolder,
+    advance_states,
     causal_conv1d_varlen,
+    first_attr,
+    load_named_weights,
+    make_checkpoints,
+    make_param,
 )
-
-
-def _first(config: object, *names: str, default: object = None) -> object:
-    """The first attribute of ``config`` among ``names`` that is set (families name the same thing apart)."""
-    for name in names:
-        value = getattr(config, name, None)
-        if value is not None:
-            return value
-    if default is None:
-        raise ValueError(f"config has none of {names}")
-    return default
 
 
 @dataclass(frozen=True)
@@ -77,67 +71,29 @@ class Mamba2Dims:
     def from_config(cls, config: object) -> Mamba2Dims:
         """Read a transformers Mamba2 / Bamba / GraniteMoeHybrid / NemotronH config (mamba_* names first,
         since hybrid configs also carry attention's ``head_dim``)."""
-        limit = tuple(_first(config, "time_step_limit", default=(0.0, float("inf"))))
+        limit = tuple(first_attr(config, "time_step_limit", default=(0.0, float("inf"))))
         if getattr(config, "model_type", "") == "nemotron_h":
             # transformers' NemotronH mixer ignores time_step_limit and clamps at time_step_min.
             limit = (float(config.time_step_min), float("inf"))
         dims = cls(
             hidden_size=int(config.hidden_size),
-            num_heads=int(_first(config, "mamba_n_heads", "mamba_num_heads", "num_heads")),
-            head_dim=int(_first(config, "mamba_d_head", "mamba_head_dim", "head_dim")),
-            state_size=int(_first(config, "mamba_d_state", "ssm_state_size", "state_size")),
-            n_groups=int(_first(config, "mamba_n_groups", "n_groups")),
-            conv_kernel=int(_first(config, "mamba_d_conv", "conv_kernel")),
-            chunk_size=int(_first(config, "mamba_chunk_size", "chunk_size")),
-            use_bias=bool(_first(config, "use_bias", "mamba_proj_bias", default=False)),
-            use_conv_bias=bool(_first(config, "mamba_conv_bias", "use_conv_bias", default=True)),
-            eps=float(_first(config, "layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
+            num_heads=int(first_attr(config, "mamba_n_heads", "mamba_num_heads", "num_heads")),
+            head_dim=int(first_attr(config, "mamba_d_head", "mamba_head_dim", "head_dim")),
+            state_size=int(first_attr(config, "mamba_d_state", "ssm_state_size", "state_size")),
+            n_groups=int(first_attr(config, "mamba_n_groups", "n_groups")),
+            conv_kernel=int(first_attr(config, "mamba_d_conv", "conv_kernel")),
+            chunk_size=int(first_attr(config, "mamba_chunk_size", "chunk_size")),
+            use_bias=bool(first_attr(config, "use_bias", "mamba_proj_bias", default=False)),
+            use_conv_bias=bool(first_attr(config, "mamba_conv_bias", "use_conv_bias", default=True)),
+            eps=float(first_attr(config, "layer_norm_epsilon", "rms_norm_eps", default=1e-5)),
             time_step_limit=(float(limit[0]), float(limit[1])),
-            activation=str(_first(config, "mamba_hidden_act", "hidden_act", default="silu")),
+            activation=str(first_attr(config, "mamba_hidden_act", "hidden_act", default="silu")),
         )
         if dims.activation not in ("silu", "swish"):
             raise ValueError(f"Mamba2 conv activation {dims.activation!r} is not supported (only silu)")
         if dims.num_heads % dims.n_groups:
             raise ValueError(f"num_heads {dims.num_heads} must be a multiple of n_groups {dims.n_groups}")
         return dims
-
-
-def _default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Copy a checkpoint tensor; tolerate squeezed singleton dims (``conv1d.weight`` as ``[C, K]``)."""
-    if loaded.numel() != param.numel() or loaded.squeeze().shape != param.squeeze().shape:
-        raise ValueError(
-            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
-    with torch.no_grad():
-        param.copy_(loaded.reshape(param.shape))
-
-
-def make_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
-    """An uninitialized inference parameter that knows how to load itself from a checkpoint tensor."""
-    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-    param.weight_loader = _default_weight_loader
-    return param
-
-
-class WeightHolder(nn.Module):
-    """A named ``weight`` (+ optional ``bias``): keeps parameter names equal to the checkpoint's."""
-
-    def __init__(self, weight_shape: tuple[int, ...], bias_size: int | None, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = make_param(*weight_shape, dtype=dtype)
-        self.bias = None if bias_size is None else make_param(bias_size, dtype=dtype)
-
-
-def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-    """Load ``(name, tensor)`` pairs named relative to ``module``; returns the names loaded."""
-    params = dict(module.named_parameters())
-    loaded = set()
-    for name, tensor in weights:
-        if name not in params:
-            raise KeyError(f"unexpected weight {name!r}; this layer has {sorted(params)}")
-        param = params[name]
-        getattr(param, "weight_loader", _default_weight_loader)(param, tensor)
-        loaded.add(name)
-    return loaded
 
 
 def segment_sum(a: torch.Tensor) -> torch.Tensor:
@@ -295,84 +251,22 @@ class Mamba2Mixer(nn.Module):
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*d.time_step_limit)
         A = -torch.exp(self.A_log.float())
 
-        y, states = self._scan(x, dt, A, B, C, batch, ssm_state, checkpoint_every, positions)
+        y = torch.zeros_like(x, dtype=torch.float32)
+
+        def step(state: torch.Tensor, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return ssd_recurrent_step(state, x[tok].float(), dt[tok], A, B[tok].float(), C[tok].float())
+
+        def scan(layout: ChunkLayout, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return ssd_chunk_scan(x, dt, A, B, C, layout, initial)
+
+        states = advance_states(batch, ssm_state, y, d.chunk_size, checkpoint_every, step, scan)
         y = y + self.D.float()[:, None] * x
         y = _gated_rms_norm(y.reshape(num_tokens, d.intermediate_size), gate, self.norm.weight,
                             d.intermediate_size // d.n_groups, d.eps)
         out = F.linear(y.to(hidden_states.dtype), self.out_proj.weight, self.out_proj.bias)
         if positions is None:
             return out, None
-        return out, _checkpoints(batch, positions, conv_snaps, states)
-
-    def _scan(
-        self,
-        x: torch.Tensor,
-        dt: torch.Tensor,
-        A: torch.Tensor,
-        B: torch.Tensor,
-        C: torch.Tensor,
-        batch: RecurrentBatch,
-        ssm_state: torch.Tensor,
-        checkpoint_every: int | None,
-        positions: list[tuple[int, int]] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Decode requests by the recurrent step, prefill requests by the chunked scan; write final states.
-        Returns y ``[T, H, P]`` and, when checkpointing, the SSM state at each of ``positions``."""
-        y = torch.zeros_like(x, dtype=torch.float32)
-        decoded = prefill = boundary = layout = None
-        if batch.decode_reqs:
-            tok = batch.decode_token_index
-            y[tok], decoded = ssd_recurrent_step(
-                batch.read_states(ssm_state, batch.decode_reqs), x[tok].float(), dt[tok], A, B[tok].float(),
-                C[tok].float())
-            batch.write_states(ssm_state, batch.decode_reqs, decoded)
-        if batch.prefill_reqs:
-            chunk = self.dims.chunk_size if checkpoint_every is None else math.gcd(self.dims.chunk_size,
-                                                                                   checkpoint_every)
-            layout = batch.chunk_layout(chunk, align=checkpoint_every is not None)
-            y[layout.token_src], boundary = ssd_chunk_scan(
-                x, dt, A, B, C, layout, batch.read_states(ssm_state, batch.prefill_reqs))
-            last = torch.tensor(layout.chunks_per_req, device=x.device)
-            prefill = boundary[torch.arange(len(last), device=x.device), last]
-            batch.write_states(ssm_state, batch.prefill_reqs, prefill)
-        if positions is None:
-            return y, None
-        return y, _states_at(batch, positions, decoded, boundary, layout)
-
-
-def _states_at(
-    batch: RecurrentBatch,
-    positions: list[tuple[int, int]],
-    decoded: torch.Tensor | None,
-    boundary: torch.Tensor | None,
-    layout: ChunkLayout | None,
-) -> torch.Tensor | None:
-    """Pick the state after ``n`` new tokens of request ``r`` for each ``(r, n)`` from the step's results:
-    a decode request's only reachable state is its new one; a prefill request's is a chunk boundary."""
-    decode_pos = {r: i for i, r in enumerate(batch.decode_reqs)}
-    prefill_pos = {r: i for i, r in enumerate(batch.prefill_reqs)}
-    picked = []
-    for r, n in positions:
-        if r in decode_pos:
-            picked.append(decoded[decode_pos[r]])
-        else:
-            p = prefill_pos[r]
-            picked.append(boundary[p, layout.chunk_of(p, n) + 1])
-    return torch.stack(picked) if picked else None
-
-
-def _checkpoints(
-    batch: RecurrentBatch,
-    positions: list[tuple[int, int]],
-    conv_snaps: torch.Tensor | None,
-    states: torch.Tensor | None,
-) -> StateCheckpoints:
-    req = torch.tensor([r for r, _ in positions], dtype=torch.long)
-    num = torch.tensor([batch.num_computed_tokens[r] + n for r, n in positions], dtype=torch.long)
-    if not positions:
-        empty = torch.zeros(0)
-        return StateCheckpoints(req, num, empty, empty)
-    return StateCheckpoints(req, num, conv_snaps, states)
+        return out, make_checkpoints(batch, positions, conv_snaps, states)
 
 
 def _gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group: int, eps: float

@@ -18,15 +18,20 @@ Three pieces live here because both layer families need them:
   which makes the state at those positions a free by-product of the scan (prefix-cache checkpoints).
   One extra all-padding chunk at the end is the identity chunk that the per-request chunk table points at
   past a request's last chunk, so the sequential inter-chunk pass needs no masks.
+
+Plus the small weight helpers both layers use: parameters named exactly as in the HF checkpoint, each
+with a ``weight_loader``, so a layer's ``load_weights`` is a name lookup.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 class RecurrentBatch:
@@ -131,6 +136,65 @@ class StateCheckpoints:
     num_tokens: torch.Tensor
     conv_states: torch.Tensor
     recurrent_states: torch.Tensor
+
+
+def advance_states(
+    batch: RecurrentBatch,
+    state: torch.Tensor,
+    out: torch.Tensor,
+    chunk_size: int,
+    checkpoint_every: int | None,
+    step: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    scan: Callable[[ChunkLayout, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor | None:
+    """Advance every request's recurrent state over its new tokens, writing outputs into ``out`` rows.
+
+    ``step(initial [R_d, ...], token_index [R_d])`` handles one-token requests; ``scan(layout, initial
+    [R_p, ...])`` the others, returning ``(rows in layout.token_src order, boundary states [R_p, chunks + 1,
+    ...])``. Final states are written in place. When checkpointing, chunks are aligned to absolute multiples
+    of ``gcd(chunk_size, checkpoint_every)`` so every checkpoint is a chunk boundary; returns the states at
+    ``batch.checkpoint_positions(checkpoint_every)`` (None if there are none or no checkpointing).
+    """
+    decoded = boundary = layout = None
+    if batch.decode_reqs:
+        tok = batch.decode_token_index
+        out[tok], decoded = step(batch.read_states(state, batch.decode_reqs), tok)
+        batch.write_states(state, batch.decode_reqs, decoded)
+    if batch.prefill_reqs:
+        align = checkpoint_every is not None
+        layout = batch.chunk_layout(math.gcd(chunk_size, checkpoint_every) if align else chunk_size, align)
+        out[layout.token_src], boundary = scan(layout, batch.read_states(state, batch.prefill_reqs))
+        last = torch.tensor(layout.chunks_per_req, device=state.device)
+        final = boundary[torch.arange(len(last), device=state.device), last]
+        batch.write_states(state, batch.prefill_reqs, final)
+    if checkpoint_every is None:
+        return None
+    # A decode request's only reachable state is its new one; a prefill request's are chunk boundaries.
+    decode_pos = {r: i for i, r in enumerate(batch.decode_reqs)}
+    prefill_pos = {r: i for i, r in enumerate(batch.prefill_reqs)}
+    picked = []
+    for r, n in batch.checkpoint_positions(checkpoint_every):
+        if r in decode_pos:
+            picked.append(decoded[decode_pos[r]])
+        else:
+            p = prefill_pos[r]
+            picked.append(boundary[p, layout.chunk_of(p, n) + 1])
+    return torch.stack(picked) if picked else None
+
+
+def make_checkpoints(
+    batch: RecurrentBatch,
+    positions: list[tuple[int, int]],
+    conv_states: torch.Tensor | None,
+    recurrent_states: torch.Tensor | None,
+) -> StateCheckpoints:
+    """Package the states at ``positions`` (``(request, tokens into this step)``) with absolute lengths."""
+    req = torch.tensor([r for r, _ in positions], dtype=torch.long)
+    num = torch.tensor([batch.num_computed_tokens[r] + n for r, n in positions], dtype=torch.long)
+    if not positions:
+        empty = torch.zeros(0)
+        return StateCheckpoints(req, num, empty, empty)
+    return StateCheckpoints(req, num, conv_states, recurrent_states)
 
 
 def causal_conv1d_varlen(
@@ -247,3 +311,52 @@ class ChunkLayout:
         Only meaningful when ``left_pad[p] + tokens_in`` is a multiple of the chunk size or the request's end.
         """
         return math.ceil((self.left_pad[p] + tokens_in) / self.chunk_size) - 1
+
+
+def first_attr(config: object, *names: str, default: object = None) -> object:
+    """The first attribute of ``config`` among ``names`` that is set (families name the same thing apart)."""
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    if default is None:
+        raise ValueError(f"config has none of {names}")
+    return default
+
+
+def _default_weight_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy a checkpoint tensor; tolerate squeezed singleton dims (``conv1d.weight`` as ``[C, K]``)."""
+    if loaded.numel() != param.numel() or loaded.squeeze().shape != param.squeeze().shape:
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit parameter {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(loaded.reshape(param.shape))
+
+
+def make_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    """An uninitialized inference parameter that knows how to load itself from a checkpoint tensor."""
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = _default_weight_loader
+    return param
+
+
+class WeightHolder(nn.Module):
+    """A named ``weight`` (+ optional ``bias``): keeps parameter names equal to the checkpoint's."""
+
+    def __init__(self, weight_shape: tuple[int, ...], bias_size: int | None, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = make_param(*weight_shape, dtype=dtype)
+        self.bias = None if bias_size is None else make_param(bias_size, dtype=dtype)
+
+
+def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Load ``(name, tensor)`` pairs named relative to ``module``; returns the names loaded."""
+    params = dict(module.named_parameters())
+    loaded = set()
+    for name, tensor in weights:
+        if name not in params:
+            raise KeyError(f"unexpected weight {name!r}; this layer has {sorted(params)}")
+        param = params[name]
+        getattr(param, "weight_loader", _default_weight_loader)(param, tensor)
+        loaded.add(name)
+    return loaded
