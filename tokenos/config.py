@@ -1,0 +1,85 @@
+"""Configuration dataclasses: every knob of the scheduler and the KV cache, validated in one place.
+
+Each field maps to exactly one CLI flag. Validation lives in `__post_init__` and raises a
+ValueError that names the bad value and says what to change, so a bad setting is rejected at
+start-up instead of surfacing as a hang or a wrong answer later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+HASH_ALGOS = ("sha256", "xxhash", "blake2b")
+MAMBA_CACHE_MODES = ("align", "none", "all")
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+
+
+@dataclass
+class SchedulerConfig:
+    """How much work one engine step may contain and in which order requests are served."""
+
+    # Token budget of one step: prompt chunks and decode tokens of all requests together.
+    max_num_batched_tokens: int = 2048
+    # Concurrency cap: requests in the running set.
+    max_num_seqs: int = 256
+    # Optional copy of the model's context length (the Scheduler also takes it directly).
+    max_model_len: int | None = None
+    # Split prompts across steps when the budget runs out (off: a prompt runs in one step).
+    enable_chunked_prefill: bool = True
+    # A prompt chunk longer than this is cut (0: off), so long prompts cannot starve decodes.
+    long_prefill_token_threshold: int = 0
+    # "fcfs" (arrival order) or "priority" (lower `priority` value first, then arrival).
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("max_num_seqs", self.max_num_seqs)
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+            if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than "
+                    f"max_model_len ({self.max_model_len}) with chunked prefill off: a long prompt "
+                    "could never be scheduled. Enable chunked prefill or raise max_num_batched_tokens."
+                )
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be an integer >= 0 (0 turns it off), "
+                f"got {self.long_prefill_token_threshold!r}."
+            )
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {SCHEDULING_POLICIES}, got {self.policy!r}.")
+
+
+@dataclass
+class CacheConfig:
+    """The KV-cache pool and prefix caching."""
+
+    # Tokens per attention page as requested by the user; hybrid models may raise it (see
+    # tokenos.core.kv_cache.spec) so that one page also holds a recurrent state.
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    # Block-hash function: sha256 (default, collision-safe), xxhash (xxh3_128, fast), blake2b.
+    hash_algo: str = "sha256"
+    # Recurrent-state checkpointing for models with Mamba-like layers (see MambaSpec).
+    mamba_cache_mode: str = "align"
+    # Testing / capacity override of the number of pool blocks (None: size from memory).
+    num_gpu_blocks_override: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("block_size", self.block_size)
+        if self.hash_algo not in HASH_ALGOS:
+            raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}.")
+        if self.mamba_cache_mode not in MAMBA_CACHE_MODES:
+            raise ValueError(
+                f"mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, got {self.mamba_cache_mode!r}."
+            )
+        if self.num_gpu_blocks_override is not None:
+            _positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override)
+            if self.num_gpu_blocks_override < 2:
+                raise ValueError("num_gpu_blocks_override must be at least 2 (one block is the null block).")

@@ -1,0 +1,118 @@
+"""The memory manager the scheduler talks to: prefix lookup, slot allocation, freeing.
+
+It wraps the coordinator with the request-level rules:
+- the hit is capped at `num_tokens - 1`, so the last token is always computed (its logits are
+  needed) and a full hit never leaves a zero-length step;
+- requests asking for prompt logprobs skip the lookup (every prompt position must be computed);
+- `allocate_slots` is all-or-nothing: it checks the free-block count for the whole need
+  (optionally a larger reservation, e.g. the whole prompt at admission) before touching the pool.
+"""
+
+from __future__ import annotations
+
+from tokenos.core.hashing import get_hash_fn, make_block_hasher
+from tokenos.core.kv_cache.block_pool import KVCacheBlock
+from tokenos.core.kv_cache.coordinator import KVCacheCoordinator
+from tokenos.core.kv_cache.spec import KVCacheConfig
+from tokenos.core.request import Request
+
+NO_NEW_BLOCKS: tuple = ()
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        kv_cache_config: KVCacheConfig,
+        max_model_len: int,
+        enable_caching: bool = True,
+        hash_algo: str = "sha256",
+    ) -> None:
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = max_model_len
+        self.coordinator = KVCacheCoordinator(kv_cache_config, enable_caching)
+        self.enable_caching = self.coordinator.enable_caching
+        self.block_pool = self.coordinator.block_pool
+        self.num_groups = self.coordinator.num_groups
+        self.block_hasher = make_block_hasher(kv_cache_config.hash_block_size, get_hash_fn(hash_algo))
+        self.has_recurrent_caching = self.enable_caching and bool(self.coordinator.recurrent)
+        self.has_recurrent = bool(self.coordinator.recurrent)
+        self.has_skipping = bool(self.coordinator.skippers)
+        self.empty_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in range(self.num_groups))
+        # Cumulative prefix-cache counters, in tokens.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """Cached blocks per group for the request's longest usable prefix, and its length."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return self.empty_blocks, 0
+        blocks, hit = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += hit
+        return blocks, hit
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: tuple[list[KVCacheBlock], ...] | None = None,
+        num_tokens_to_reserve: int = 0,
+    ) -> tuple[list[int], ...] | None:
+        """Blocks for `num_new_tokens` more tokens after the computed ones (and the hit).
+
+        Returns the ids of blocks appended to each group (`NO_NEW_BLOCKS`, falsy, when none),
+        or None when the pool cannot supply max(need, reservation) blocks; then nothing changed.
+        """
+        rid = request.request_id
+        coord = self.coordinator
+        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        need = coord.get_num_blocks_to_allocate(
+            rid, max(num_tokens, num_tokens_to_reserve), new_computed_blocks
+        )
+        if need > self.block_pool.free_block_queue.num_free_blocks:
+            return None
+        if new_computed_blocks is not None and num_new_computed_tokens:
+            coord.save_new_computed_blocks(rid, new_computed_blocks)
+        new = coord.allocate_new_blocks(rid, num_tokens)
+        if self.enable_caching:
+            coord.cache_blocks(request, num_tokens)
+        for blocks in new:
+            if blocks:
+                return tuple([b.block_id for b in blks] for blks in new)
+        return NO_NEW_BLOCKS
+
+    def remove_skipped_blocks(self, request: Request) -> tuple[list[int], ...] | None:
+        """Free the request's columns outside the window / older than the previous state."""
+        if not self.has_skipping:
+            return None
+        return self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+
+    def cache_recurrent_blocks(self, request: Request) -> None:
+        if self.has_recurrent_caching:
+            self.coordinator.cache_recurrent_blocks(request)
+
+    def state_copies(self, num_computed_tokens: int, num_tokens: int) -> dict[int, tuple[int, int]] | None:
+        if not self.has_recurrent:
+            return None
+        return self.coordinator.state_copies(num_computed_tokens, num_tokens)
+
+    def free(self, request: Request) -> None:
+        self.coordinator.free(request.request_id)
+
+    def free_unfinished_step(self, request: Request) -> None:
+        """Free a request whose scheduled step is cancelled (preempted in the same schedule):
+        blocks published for that step never get written, so their hashes are dropped first."""
+        if self.enable_caching:
+            self.coordinator.uncache_blocks_from(request, request.num_computed_tokens)
+        self.coordinator.free(request.request_id)
+
+    def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        return self.coordinator.get_block_ids(request_id)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_pool.reset_prefix_cache()

@@ -1,0 +1,190 @@
+"""One request as the engine core sees it: token ids, progress counters and a status.
+
+Invariants:
+- `all_token_ids == prompt_token_ids + output_token_ids`, and `num_tokens == len(all_token_ids)`.
+- `0 <= num_computed_tokens <= num_tokens`: tokens whose KV / state is in the cache (prefix hit
+  plus everything computed in scheduled steps; the scheduler advances it when it schedules).
+- `block_hashes[i]` is the chained hash of the prefix `all_token_ids[: (i + 1) * hash_block_size]`,
+  extended incrementally as tokens are appended (only once a block's tokens are all known).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from tokenos.core.outputs import EngineCoreRequest, FinishReason, sampling_params_from_dict
+from tokenos.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenos.core.hashing import BlockHash
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    # Everything after PREEMPTED is a finished state (`is_finished` relies on the order).
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> FinishReason | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Request:
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling_params",
+        "eos_token_id",
+        "arrival_time",
+        "priority",
+        "cache_salt",
+        "adapter_id",
+        "output_token_ids",
+        "_all_token_ids",
+        "num_prompt_tokens",
+        "num_computed_tokens",
+        "num_cached_tokens",
+        "status",
+        "block_hashes",
+        "num_preemptions",
+        "stop_reason",
+        "max_tokens",
+        "_block_hasher",
+        "_next_hash_at",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        adapter_id: int | str | None = None,
+        block_hasher: Callable[[Request], list[BlockHash]] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_time = time.time() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.adapter_id = adapter_id
+        self.output_token_ids: list[int] = []
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        # Prefix-hit tokens at first admission (reported to the user); -1 until admitted.
+        self.num_cached_tokens = -1
+        self.status = RequestStatus.WAITING
+        self.block_hashes: list[BlockHash] = []
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        # None: no cap besides max_model_len.
+        self.max_tokens = sampling_params.max_tokens
+        self._block_hasher = None
+        self._next_hash_at = 1 << 62
+        if block_hasher is not None:
+            self.set_block_hasher(block_hasher)
+
+    @classmethod
+    def from_engine_core_request(
+        cls,
+        req: EngineCoreRequest,
+        block_hasher: Callable[[Request], list[BlockHash]] | None = None,
+    ) -> Request:
+        return cls(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            sampling_params=sampling_params_from_dict(req.sampling_params),
+            eos_token_id=req.eos_token_id,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+            adapter_id=getattr(req, "adapter_id", None),
+            block_hasher=block_hasher,
+        )
+
+    # ------------------------------------------------------------------ tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then outputs. A live list: read it, do not mutate it."""
+        return self._all_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: int | list[int]) -> None:
+        if isinstance(token_ids, int):
+            self.output_token_ids.append(token_ids)
+            self._all_token_ids.append(token_ids)
+        else:
+            self.output_token_ids.extend(token_ids)
+            self._all_token_ids.extend(token_ids)
+        # Hash only when a whole new hash block is known: one int compare per decode token.
+        if len(self._all_token_ids) >= self._next_hash_at:
+            self._update_block_hashes()
+
+    def set_block_hasher(self, block_hasher: Callable[[Request], list[BlockHash]]) -> None:
+        """Attach the engine's hasher (granularity and function) and hash the known tokens."""
+        self._block_hasher = block_hasher
+        self.block_hashes = []
+        self._update_block_hashes()
+
+    def _update_block_hashes(self) -> None:
+        hasher = self._block_hasher
+        if hasher is None:
+            return
+        self.block_hashes.extend(hasher(self))
+        self._next_hash_at = (len(self.block_hashes) + 1) * hasher.hash_block_size  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ status
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status > RequestStatus.PREEMPTED
+
+    def get_finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def __lt__(self, other: Request) -> bool:
+        # Priority-queue order: lower priority value, then earlier arrival, then id.
+        return (self.priority, self.arrival_time, self.request_id) < (
+            other.priority,
+            other.arrival_time,
+            other.request_id,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )
