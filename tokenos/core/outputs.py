@@ -4,6 +4,47 @@ Pure Python. `SchedulerOutput` is what the scheduler decides for one step (token
 request plus new block ids per KV-cache group); `ModelRunnerOutput` is what the worker
 computed; `EngineCoreOutput` is what goes back to the frontend per request. The engine
 messages are msgspec Structs so they cross the ZeroMQ boundary as msgpack unchanged.
+
+How the worker reads a SchedulerOutput (the scheduler's contract; follow it literally)
+---------------------------------------------------------------------------------------
+Block lists. For every request the worker keeps one block-id list per KV-cache group (in the
+order of `KVCacheConfig.kv_cache_groups`). Entry j of a group's list is the page of LOGICAL
+COLUMN j, tokens [j * B, (j + 1) * B), B = that group's `kv_cache_spec.block_size`. Block id 0 is
+the null block ("no page here"): the worker never needs to read or write it.
+- `NewRequestData.block_ids`: the full list per group (it may contain 0s).
+- `CachedRequestData.removed_block_idx[i]` (None: nothing removed): per group, INDICES into that
+  group's list whose pages the request gave up (sliding-window columns that left the window,
+  recurrent states older than the previous one); set those entries to 0. Never an index the
+  step reads.
+- `CachedRequestData.new_block_ids[i]` (None: nothing new): appended to each group's list.
+- A request in `preempted_req_ids` or `finished_req_ids` is dropped; a preempted request comes
+  back later as a NewRequestData (with its `output_token_ids`) and is rebuilt from scratch.
+- `CachedRequestData.num_computed_tokens[i]` and `NewRequestData.num_computed_tokens` are the
+  counts BEFORE this step (for a new request: its prefix-cache hit).
+
+Tokens. A scheduled request with n = num_computed_tokens computes positions [n, n + k) of its
+tokens (prompt then outputs), k = `num_scheduled_tokens[req_id]`. It is sampled only when
+n + k reaches its token count; otherwise it returns an empty list of sampled tokens.
+
+Attention groups (full, sliding window). Position p goes to slot p % B of page
+`block_ids[g][p // B]`. A page may be shared by several requests (prefix hits), including a
+page another request of the SAME step is writing (n > 1 fan-out): within every layer, write the
+K/V of all tokens of the batch before any attention reads. A sliding-window layer of window W
+reads keys [p - W + 1, p] only (earlier columns may already be 0).
+
+Recurrent groups (MambaSpec: any fixed-size state). Let s = (n + k - 1) // B be the RUNNING
+COLUMN ("none" mode: s = 0, and the list always holds exactly one block).
+1. Before the step, for each group g -> (src, dst) in `mamba_state_copies[req_id]`, copy every
+   state of every layer of group g from page `block_ids[g][src]` to page `block_ids[g][dst]`
+   (dst is always s). This is checkpoint adoption: src holds the state after n tokens (a shared,
+   read-only checkpoint, or the previous running page) and the copy makes the running page
+   private. No entry means src == dst or n == 0: nothing to copy.
+2. The initial state is page `block_ids[g][s]` if n > 0 (zeros if n == 0); the final state after
+   n + k tokens is written back to that same page.
+3. "all" mode only: for each block boundary b = (j + 1) * B with n < b < n + k, also write the
+   state after b tokens to page `block_ids[g][j]` (one checkpoint per block).
+The scheduler publishes a recurrent page as a checkpoint only after `update_from_output` saw
+the step that wrote it, and never gives a published page out as a running page.
 """
 
 from __future__ import annotations
@@ -51,8 +92,9 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[BlockIds | None] = field(default_factory=list)  # appended to each group
     num_computed_tokens: list[int] = field(default_factory=list)
-    # Block ids that became the null block in each group (sliding window / recurrent groups
-    # dropping blocks that are no longer needed); the worker rewrites those table entries.
+    # Per group: indices into the request's block list whose entries became the null block (0)
+    # (sliding window / recurrent groups dropping blocks that are no longer needed); the worker
+    # rewrites those entries to 0 before appending new_block_ids. None: nothing removed.
     removed_block_idx: list[BlockIds | None] = field(default_factory=list)
 
     @property
@@ -68,8 +110,8 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # the worker drops these from its persistent batch
     preempted_req_ids: set[str] = field(default_factory=set)
-    # Recurrent-state groups: req_id -> (group id -> block index whose page the step must
-    # copy into the running page before computing), for checkpoint adoption in align mode.
+    # Recurrent-state groups: req_id -> (group id -> (src, dst) indices into that group's block
+    # list): copy page src into page dst before computing (see the module docstring).
     mamba_state_copies: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
 
 
