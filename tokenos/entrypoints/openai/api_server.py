@@ -1,0 +1,253 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over an `AsyncLLM`, run by uvicorn.
+
+`build_app(engine, args)` wires the routes to any engine with the AsyncLLM surface (tests pass a
+fake one); `run_server(args)` builds the real engine (engine core in a child process), serves
+until SIGINT/SIGTERM or engine death, and returns the exit code (1 when the engine died).
+
+Every error leaves as an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`:
+validation 400 (malformed JSON, wrong types, out-of-range values, prompts that do not fit),
+401 (API key), 404 (unknown model or route), 503 (engine dead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import secrets
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import tokenos
+from tokenos.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    TokenizeRequest,
+)
+from tokenos.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenos.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenos.entrypoints.openai.serving_engine import ClientDisconnected
+
+logger = logging.getLogger("tokenos.server")
+
+HEALTH_POLL_S = 1.0
+
+
+def resolve_chat_template(template: str | None) -> str | None:
+    """`--chat-template` is a file path or the template itself."""
+    if template and os.path.isfile(template):
+        with open(template) as f:
+            return f.read()
+    return template
+
+
+def served_model_names(engine: Any, args: argparse.Namespace) -> list[str]:
+    name = getattr(args, "served_model_name", None) or getattr(engine, "served_model_name", None)
+    return [name or "default"]
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error.to_response().model_dump(), status_code=error.status)
+
+
+def _validation_error(exc: RequestValidationError) -> OpenAIError:
+    first = exc.errors()[0]
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        return OpenAIError(f"The request body is not valid JSON: {first.get('msg')}.")
+    param = loc[0] if loc else None
+    where = ".".join(loc)
+    return OpenAIError(f"{where}: {first.get('msg')}" if where else str(first.get("msg")), param=param)
+
+
+def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
+    """The FastAPI app serving `engine` (AsyncLLM surface) with the settings in `args`."""
+    app = FastAPI(title="tokenos", version=tokenos.__version__)
+    names = served_model_names(engine, args)
+    completion = OpenAIServingCompletion(engine, names)
+    chat = OpenAIServingChat(engine, names, resolve_chat_template(getattr(args, "chat_template", None)))
+    _add_error_handlers(app)
+    _add_api_key_check(app, getattr(args, "api_key", None))
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await engine.check_health()
+        except Exception as e:
+            return error_response(OpenAIError(f"The engine is dead: {e}", status=503, code="engine_dead"))
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": tokenos.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from tokenos.engine.metrics import CONTENT_TYPE
+
+        source = getattr(engine, "metrics", None)
+        return Response(source.render() if source is not None else b"", media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        root = getattr(getattr(engine, "engine_args", None), "model", None)
+        cards = [ModelCard(id=n, root=root, max_model_len=completion.max_model_len) for n in names]
+        return ModelList(data=cards)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await _respond(completion.create_completion(request, raw_request))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await _respond(chat.create_chat_completion(request, raw_request))
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> dict:
+        completion.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError("Give exactly one of `prompt` and `messages`.", param="prompt")
+        if request.messages is not None:
+            tokens = chat.render_prompt(request)
+        else:
+            tokens = engine.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": completion.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict:
+        completion.check_model(request.model)
+        completion.check_token_ids(request.tokens, "tokens")
+        return {"prompt": engine.tokenizer.decode(request.tokens, skip_special_tokens=False)}
+
+    return app
+
+
+async def _respond(pending: Any) -> Response:
+    try:
+        result = await pending
+    except ClientDisconnected:
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream")
+    return JSONResponse(result.model_dump())
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(_validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(OpenAIError(str(exc.detail), status=exc.status_code))
+
+
+def _add_api_key_check(app: FastAPI, api_key: str | None) -> None:
+    if not api_key:
+        return
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def check_api_key(request: Request, call_next):
+        if request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "").encode()
+            if not secrets.compare_digest(given, expected):
+                return error_response(
+                    OpenAIError("Incorrect API key provided.", status=401, code="invalid_api_key")
+                )
+        return await call_next(request)
+
+
+# ------------------------------------------------------------------ running it
+
+
+def build_engine(args: argparse.Namespace) -> Any:
+    """The real engine: an AsyncLLM with its engine core in a child process, and its metrics."""
+    from tokenos.engine.async_llm import AsyncLLM
+    from tokenos.engine.metrics import EngineMetrics
+    from tokenos.entrypoints.openai.cli_args import engine_args_from
+
+    engine_args = engine_args_from(args)
+    metrics_name = args.served_model_name or os.path.basename((args.model or "default").rstrip("/"))
+    return AsyncLLM(engine_args, metrics=EngineMetrics(metrics_name))
+
+
+async def serve_app(app: FastAPI, engine: Any, args: argparse.Namespace) -> int:
+    """Serve until a signal (exit 0) or the engine's death (exit 1)."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, host=args.host, port=args.port, log_level="info", access_log=False, timeout_graceful_shutdown=5
+    )
+    server = uvicorn.Server(config)
+    watchdog = asyncio.create_task(_watch_engine(server, engine, args))
+    try:
+        await server.serve()
+    finally:
+        watchdog.cancel()
+    return 1 if getattr(engine, "errored", False) else 0
+
+
+async def _watch_engine(server: Any, engine: Any, args: argparse.Namespace) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    info = getattr(engine, "model_info", {}) or {}
+    logger.info(
+        "tokenos %s ready on http://%s:%d  model=%s  max_model_len=%s  KV pool=%s tokens",
+        tokenos.__version__,
+        args.host,
+        args.port,
+        served_model_names(engine, args)[0],
+        engine.model_config.max_model_len,
+        info.get("kv_pool_tokens", "?"),
+    )
+    while True:
+        await asyncio.sleep(HEALTH_POLL_S)
+        try:
+            await engine.check_health()
+        except Exception as e:
+            logger.error("engine died (%s): shutting the server down", e)
+            server.should_exit = True
+            return
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Build the engine, serve, shut the engine down; returns the process exit code."""
+    from tokenos.engine.core_client import EngineStartupError
+
+    try:
+        engine = build_engine(args)
+    except (EngineStartupError, FileNotFoundError, ValueError) as e:
+        logger.error("cannot start: %s", e)
+        return 1
+    try:
+        return asyncio.run(serve_app(build_app(engine, args), engine, args))
+    finally:
+        engine.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tokenos.entrypoints.openai.cli_args import parse_serve_args
+
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    return run_server(parse_serve_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

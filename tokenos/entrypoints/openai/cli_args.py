@@ -1,0 +1,49 @@
+"""The flags of `tokenos serve [MODEL]`: the server's own, then the engine's (one EngineArgs field each).
+
+MODEL is optional (the embedded SmolLM2 when omitted) and may also be given as `--model`.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tokenos.bench.throughput import add_engine_args, engine_kwargs
+from tokenos.engine.args import EngineArgs
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="HF folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for all)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model name clients use (default: MODEL's)"
+    )
+    parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    add_engine_args(parser)
+    parser.set_defaults(dtype=EngineArgs.dtype)
+    return parser
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenos serve", description="OpenAI-compatible HTTP server.")
+    return add_serve_args(parser)
+
+
+def parse_serve_args(argv: list[str] | None) -> argparse.Namespace:
+    args = make_parser().parse_args(argv)
+    if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
+        raise SystemExit(f"tokenos serve: MODEL ({args.model_tag}) and --model ({args.model}) disagree")
+    args.model = args.model_tag or args.model
+    return args
+
+
+def engine_args_from(args: argparse.Namespace) -> EngineArgs:
+    """The EngineArgs the parsed flags describe."""
+    return EngineArgs(model=args.model, **engine_kwargs(args))

@@ -1,0 +1,181 @@
+"""POST /v1/completions: one or several prompts (text or token ids), n samples each.
+
+Prompt `i`'s sample `j` is choice `i * n + j`, as in OpenAI's API. Prompts are tokenized and
+checked here, so a prompt that cannot fit fails with 400 before anything reaches the engine;
+the engine gets token ids (plus the text, for its outputs). Non-streaming requests ask the
+engine for final outputs only; streaming ones for deltas, sent as SSE chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from tokenos.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    random_id,
+)
+from tokenos.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ClientDisconnected,
+    OpenAIServing,
+    engine_error,
+    make_usage,
+    merge_outputs,
+    sse,
+)
+from tokenos.sampling_params import SamplingParams
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(
+        self, request: CompletionRequest, raw_request: Any = None
+    ) -> CompletionResponse | AsyncIterator[str]:
+        """The response, or (stream=true) an iterator of SSE lines; raises OpenAIError."""
+        model = self.check_model(request.model)
+        self.check_engine()
+        self.check_logit_bias(request)
+        prompts = [self._tokenize(p) for p in request.prompts()]
+        for _, token_ids in prompts:
+            self.check_prompt(token_ids, "prompt")
+        params = [request.to_sampling_params(self.max_model_len, len(ids)) for _, ids in prompts]
+        base_id = random_id("cmpl")
+        run = _Run(base_id, model, request, prompts, params)
+        generators = [
+            self.engine.generate(
+                {"prompt": text, "prompt_token_ids": ids},
+                p,
+                rid,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+            )
+            for (text, ids), p, rid in zip(prompts, params, run.request_ids, strict=True)
+        ]
+        is_disconnected = raw_request.is_disconnected if raw_request is not None else None
+        if request.stream:
+            return self._stream(run, generators, is_disconnected)
+        return await self._complete(run, generators, is_disconnected)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        return self.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt)
+
+    async def _complete(self, run: _Run, generators: list, is_disconnected) -> CompletionResponse:
+        finals: dict[int, Any] = {}
+        try:
+            async for i, out in merge_outputs(generators, is_disconnected):
+                finals[i] = out
+                if out.finished:
+                    run.finished.add(run.request_ids[i])
+        except ClientDisconnected:
+            raise
+        except Exception as e:
+            raise engine_error(e) from e
+        finally:
+            await self.abort_unfinished(run.request_ids, run.finished)
+        choices = []
+        for i, out in sorted(finals.items()):
+            for sample in out.outputs:
+                text = run.prompt_text(i) + sample.text if run.request.echo else sample.text
+                choices.append(self._choice(run, i, sample, text))
+                run.completion_tokens += len(sample.token_ids)
+            run.cached_tokens += out.num_cached_tokens
+        choices.sort(key=lambda c: c.index)
+        return CompletionResponse(
+            id=run.id, created=run.created, model=run.model, choices=choices, usage=run.usage()
+        )
+
+    async def _stream(self, run: _Run, generators: list, is_disconnected) -> AsyncIterator[str]:
+        echoed: set[int] = set()
+        try:
+            async for i, out in merge_outputs(generators, is_disconnected):
+                for sample in out.outputs:
+                    index = i * run.n + sample.index
+                    text = sample.text
+                    if run.request.echo and index not in echoed:
+                        echoed.add(index)
+                        text = run.prompt_text(i) + text
+                    run.completion_tokens += len(sample.token_ids)
+                    if not text and not sample.token_ids and sample.finish_reason is None:
+                        continue
+                    chunk = CompletionResponse(
+                        id=run.id,
+                        created=run.created,
+                        model=run.model,
+                        choices=[self._choice(run, i, sample, text)],
+                    )
+                    if run.request.stream_options and run.request.stream_options.continuous_usage_stats:
+                        chunk.usage = run.usage()
+                    yield sse(chunk)
+                if out.finished:
+                    run.finished.add(run.request_ids[i])
+                    run.cached_tokens += out.num_cached_tokens
+            if run.request.include_usage:
+                yield sse(
+                    CompletionResponse(
+                        id=run.id, created=run.created, model=run.model, choices=[], usage=run.usage()
+                    )
+                )
+        except ClientDisconnected:
+            return
+        except Exception as e:
+            yield sse(engine_error(e).to_response())
+        finally:
+            await self.abort_unfinished(run.request_ids, run.finished)
+        yield SSE_DONE
+
+    def _choice(self, run: _Run, i: int, sample: Any, text: str) -> CompletionChoice:
+        logprobs = None
+        if run.request.logprobs is not None and sample.logprobs is not None:
+            logprobs = CompletionLogprobs()
+            offset = run.text_offsets.get((i, sample.index), 0)
+            for token, logprob, top in self.token_logprobs(sample.token_ids, sample.logprobs):
+                logprobs.tokens.append(token)
+                logprobs.token_logprobs.append(logprob)
+                logprobs.top_logprobs.append(dict(top))
+                logprobs.text_offset.append(offset)
+                offset += len(token)
+            run.text_offsets[(i, sample.index)] = offset
+        return CompletionChoice(
+            index=i * run.n + sample.index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=sample.finish_reason,
+            stop_reason=sample.stop_reason,
+        )
+
+
+class _Run:
+    """The state of one /v1/completions request across its prompts and chunks."""
+
+    def __init__(
+        self,
+        base_id: str,
+        model: str,
+        request: CompletionRequest,
+        prompts: list[tuple[str, list[int]]],
+        params: list[SamplingParams],
+    ) -> None:
+        self.id = base_id
+        self.model = model
+        self.request = request
+        self.prompts = prompts
+        self.n = params[0].n
+        self.created = int(time.time())
+        self.request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
+        self.finished: set[str] = set()
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.text_offsets: dict[tuple[int, int], int] = {}
+
+    def prompt_text(self, i: int) -> str:
+        return self.prompts[i][0]
+
+    def usage(self):
+        prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+        return make_usage(prompt_tokens, self.completion_tokens, self.cached_tokens)

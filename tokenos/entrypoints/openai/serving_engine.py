@@ -1,0 +1,177 @@
+"""What the completion and chat endpoints share: model check, prompt checks, streaming plumbing.
+
+The engine is anything with the `AsyncLLM` surface (`generate`, `abort`, `tokenizer`,
+`model_config`). A request's outputs are consumed through `merge_outputs`, which interleaves
+several prompts' streams and polls the HTTP connection: when the client goes away, pending
+generations are cancelled (cancelling `generate` aborts it in the engine core), and the endpoint
+also calls `engine.abort` for every request that did not finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from pydantic import BaseModel
+
+from tokenos.engine.core_client import EngineDeadError
+from tokenos.entrypoints.openai.protocol import OpenAIError, SamplingFields, UsageInfo
+
+DISCONNECT_POLL_S = 0.5
+# JSON has no -inf: logprobs of impossible tokens are reported as this, as vLLM does.
+MIN_LOGPROB = -9999.0
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; the request's generations have been cancelled."""
+
+
+def sse(payload: BaseModel | str) -> str:
+    """One server-sent event."""
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def safe_logprob(value: float) -> float:
+    return max(value, MIN_LOGPROB) if not math.isnan(value) else MIN_LOGPROB
+
+
+def engine_error(e: BaseException) -> OpenAIError:
+    """Map an exception out of `engine.generate` to the error the client sees."""
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(f"The engine is dead: {e}", status=503, code="engine_dead")
+    if isinstance(e, ValueError):
+        return OpenAIError(str(e))
+    return OpenAIError(f"Internal error: {type(e).__name__}: {e}", status=500)
+
+
+async def merge_outputs(
+    iterators: list[AsyncIterator[Any]], is_disconnected: Callable[[], Awaitable[bool]] | None = None
+) -> AsyncIterator[tuple[int, Any]]:
+    """Yield `(i, item)` from several async iterators as items arrive; stop if the client leaves."""
+    pending = {asyncio.ensure_future(anext(it)): i for i, it in enumerate(iterators)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(
+                pending, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_COMPLETED
+            )
+            if not done:
+                if is_disconnected is not None and await is_disconnected():
+                    raise ClientDisconnected()
+                continue
+            for future in done:
+                i = pending.pop(future)
+                try:
+                    item = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(anext(iterators[i]))] = i
+                yield i, item
+    finally:
+        # Cancelling a pending `generate` step raises CancelledError inside it: it aborts itself.
+        for future in pending:
+            future.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers: the engine, the served names and the checks every request needs."""
+
+    def __init__(self, engine: Any, served_model_names: list[str]) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.max_model_len: int = engine.model_config.max_model_len
+        self.vocab_size: int | None = getattr(engine.model_config, "vocab_size", None)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def check_model(self, model: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        if model is None or model in self.served_model_names:
+            return model or self.served_model_names[0]
+        raise OpenAIError(
+            f"The model `{model}` does not exist. This server serves: {', '.join(self.served_model_names)}.",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+
+    def check_engine(self) -> None:
+        if getattr(self.engine, "errored", False):
+            raise engine_error(self.engine.dead_error or EngineDeadError("the engine core is not running"))
+
+    def check_prompt(self, token_ids: list[int], param: str) -> None:
+        """400 for a prompt that is empty, has unknown token ids, or leaves no room to generate."""
+        if not token_ids:
+            raise OpenAIError("The prompt is empty: give at least one token.", param=param)
+        if len(token_ids) >= self.max_model_len:
+            raise OpenAIError(
+                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
+                f"{len(token_ids)} tokens (one position must be left to generate). Please shorten it.",
+                param=param,
+            )
+        self.check_token_ids(token_ids, param)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        if self.vocab_size is None:
+            return
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise OpenAIError(
+                f"Token id {bad} is outside the vocabulary [0, {self.vocab_size}).", param=param
+            )
+
+    def check_logit_bias(self, request: SamplingFields) -> None:
+        if self.vocab_size is None or not request.logit_bias:
+            return
+        for token in request.logit_bias:
+            if not token.lstrip("-").isdigit() or not 0 <= int(token) < self.vocab_size:
+                raise OpenAIError(
+                    f"logit_bias key {token!r} is not a token id in [0, {self.vocab_size}).",
+                    param="logit_bias",
+                )
+
+    def decode_token(self, token_id: int, decoded: str | None) -> str:
+        return (
+            decoded if decoded is not None else self.tokenizer.decode([token_id], skip_special_tokens=False)
+        )
+
+    def token_logprobs(
+        self, token_ids: list[int], logprobs: list[dict[int, Any]]
+    ) -> list[tuple[str, float | None, list[tuple[str, float]]]]:
+        """Per generated token: (its text, its logprob, the alternatives best first as (text, logprob)).
+
+        Each position's dict maps token id -> Logprob(logprob, rank, decoded_token) and holds the
+        sampled token and the requested top-n.
+        """
+        rows = []
+        for token_id, entries in zip(token_ids, logprobs, strict=False):
+            chosen = entries.get(token_id)
+            text = self.decode_token(token_id, getattr(chosen, "decoded_token", None))
+            ranked = sorted(entries.items(), key=lambda item: -item[1].logprob)
+            top = [(self.decode_token(t, lp.decoded_token), safe_logprob(lp.logprob)) for t, lp in ranked]
+            rows.append((text, safe_logprob(chosen.logprob) if chosen is not None else None, top))
+        return rows
+
+    async def abort_unfinished(self, request_ids: list[str], finished: set[str]) -> None:
+        for rid in request_ids:
+            if rid not in finished and not getattr(self.engine, "errored", False):
+                await self.engine.abort(rid)
+
+
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details={"cached_tokens": cached_tokens} if cached_tokens else None,
+    )
