@@ -137,6 +137,12 @@ def fake_engine() -> FakeEngine:
 
 
 @pytest.fixture
+def slow_engine() -> FakeEngine:
+    """An engine whose requests run long (a token every 50 ms, room for 100k tokens)."""
+    return FakeEngine(max_model_len=100_000, step_delay_s=0.05)
+
+
+@pytest.fixture
 def make_client():
     """A TestClient over build_app(engine, args); closed after the test."""
     from fastapi.testclient import TestClient
