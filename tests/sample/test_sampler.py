@@ -255,3 +255,39 @@ def test_prompt_logprobs() -> None:
         assert lp.rank == int((raw[i] > raw[i, targets[i]]).sum()) + 1
     with pytest.raises(ValueError):
         compute_prompt_logprobs(logits, [1, 2], num_top=1)
+
+
+def test_top_k_then_top_p_in_a_mixed_batch() -> None:
+    # probs 0.4 0.3 0.2 0.1 (+ zeros): top_k=3 renormalises to 4/9, 3/9, 2/9; top_p=0.6 then keeps {0, 1}.
+    row = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.1, 1e-9, 1e-9]))
+    n = 300
+    state = SamplingState(max_num_reqs=2 * n, vocab_size=6)
+    for r in range(n):
+        state.add_request(r, SamplingParams(top_k=3, top_p=0.6), [0], [], None)
+        state.add_request(n + r, SamplingParams(top_k=2), [0], [], None)  # top-k only
+    torch.manual_seed(0)
+    draws = sample_once(state, row.expand(2 * n, -1).clone())
+    assert set(draws[:n].tolist()) == {0, 1} and set(draws[n:].tolist()) == {0, 1}
+    state.add_request(0, SamplingParams(top_p=0.95), [0], [], None)  # a top-p row without top-k: full sort
+    draws = sample_once(state, row.expand(2 * n, -1).clone())
+    assert draws[0] in (0, 1, 2, 3) and set(draws[1:n].tolist()) == {0, 1}
+
+
+def test_penalties_only_touch_their_rows() -> None:
+    torch.manual_seed(5)
+    logits = torch.randn(3, VOCAB)
+    state = make_state(
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, repetition_penalty=1.5, presence_penalty=1.0),
+        SamplingParams(temperature=0.0),
+        prompts=[[1, 2], [1, 2], [1, 2]],
+        outputs=[[3, 3], [3], [4]],
+    )
+    processed = logits.clone()
+    Sampler.process_logits(processed, state.make_metadata(3))
+    assert torch.equal(processed[0], logits[0]) and torch.equal(processed[2], logits[2])
+    expected = logits[1].clone()
+    for t in (1, 2, 3):
+        expected[t] = expected[t] / 1.5 if expected[t] > 0 else expected[t] * 1.5
+    expected[3] -= 1.0
+    assert torch.allclose(processed[1], expected)

@@ -17,29 +17,33 @@ def gather_logprobs(
 ) -> list[TokenLogprobs | None]:
     """Per row: chosen token first, then its top `num_top[row]` (None: no logprobs for that row).
 
-    rank = 1 + number of tokens strictly more likely than the chosen one.
+    rank = 1 + number of tokens strictly more likely than the chosen one. Only the rows that
+    want logprobs are looked at.
     """
-    max_top = max((n for n in num_top if n is not None), default=None)
-    if max_top is None:
-        return [None] * len(num_top)
+    wanted = [r for r, n in enumerate(num_top) if n is not None]
+    out: list[TokenLogprobs | None] = [None] * len(num_top)
+    if not wanted:
+        return out
+    max_top = max(num_top[r] for r in wanted)  # type: ignore[type-var]
+    if len(wanted) < len(num_top):
+        index = torch.tensor(wanted, device=logprobs.device)
+        logprobs, chosen = logprobs[index], chosen[index]
     chosen = chosen.to(torch.int64).unsqueeze(1)
     chosen_lp = logprobs.gather(1, chosen)
-    ranks = (logprobs > chosen_lp).sum(dim=1) + 1
-    top_lp, top_ids = logprobs.topk(max_top, dim=1) if max_top > 0 else (None, None)
+    ranks = ((logprobs > chosen_lp).sum(dim=1) + 1).tolist()
     chosen_ids, chosen_vals = chosen.squeeze(1).tolist(), chosen_lp.squeeze(1).tolist()
-    ranks_list = ranks.tolist()
-    top_ids_list = top_ids.tolist() if top_ids is not None else None
-    top_lp_list = top_lp.tolist() if top_lp is not None else None
-    out: list[TokenLogprobs | None] = []
-    for row, n in enumerate(num_top):
-        if n is None:
-            out.append(None)
-            continue
-        ids, vals = [chosen_ids[row]], [chosen_vals[row]]
-        if n > 0:
-            ids += top_ids_list[row][:n]
-            vals += top_lp_list[row][:n]
-        out.append(TokenLogprobs(token_ids=ids, logprobs=vals, rank=ranks_list[row]))
+    top_ids: list[list[int]] = [[] for _ in wanted]
+    top_vals: list[list[float]] = [[] for _ in wanted]
+    if max_top > 0:
+        top = logprobs.topk(max_top, dim=1)
+        top_ids, top_vals = top.indices.tolist(), top.values.tolist()
+    for i, row in enumerate(wanted):
+        n = num_top[row]
+        out[row] = TokenLogprobs(
+            token_ids=[chosen_ids[i], *top_ids[i][:n]],
+            logprobs=[chosen_vals[i], *top_vals[i][:n]],
+            rank=ranks[i],
+        )
     return out
 
 

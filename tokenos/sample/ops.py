@@ -31,21 +31,23 @@ def apply_token_bans(logits: torch.Tensor, bans: dict[int, list[int]]) -> None:
 
 
 def token_counts(token_ids: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[num_rows, vocab] int counts of each id per row, from ragged lists (one scatter, no loop)."""
-    width = max((len(ids) for ids in token_ids), default=0)
-    padded = torch.full((len(token_ids), width), vocab_size, dtype=torch.int64)
-    for r, ids in enumerate(token_ids):
-        if ids:
-            padded[r, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-    return _bincount_rows(padded.to(device), vocab_size)
+    """[num_rows, vocab] float32 count of each id per row from ragged lists, in one accumulate."""
+    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.float32, device=device)
+    lengths = [len(ids) for ids in token_ids]
+    if sum(lengths):
+        flat = torch.tensor([t for ids in token_ids for t in ids], dtype=torch.int64, device=device)
+        row_idx = torch.repeat_interleave(torch.arange(len(token_ids), device=device), torch.tensor(lengths))
+        counts.index_put_((row_idx, flat), torch.ones_like(flat, dtype=torch.float32), accumulate=True)
+    return counts
 
 
-def _bincount_rows(padded: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    # Pad ids (>= vocab_size or < 0) all land in one extra column that is then dropped.
+def _presence_rows(padded: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[rows, vocab] bool: which ids appear in each row of a -1-padded id tensor."""
+    # Pad ids all land in one extra column that is then dropped.
     padded = torch.where((padded < 0) | (padded >= vocab_size), vocab_size, padded)
-    counts = torch.zeros(padded.shape[0], vocab_size + 1, dtype=torch.int64, device=padded.device)
-    counts.scatter_add_(1, padded, torch.ones_like(padded))
-    return counts[:, :vocab_size]
+    seen = torch.zeros(padded.shape[0], vocab_size + 1, dtype=torch.bool, device=padded.device)
+    seen.scatter_(1, padded, True)
+    return seen[:, :vocab_size]
 
 
 def apply_penalties(
@@ -56,35 +58,59 @@ def apply_penalties(
     frequency: torch.Tensor,
     repetition: torch.Tensor,
 ) -> None:
-    num_reqs, vocab_size = logits.shape
-    output_counts = token_counts(output_token_ids[:num_reqs], vocab_size, logits.device)
-    seen = output_counts > 0
+    """Penalise the rows that have any penalty; the work is proportional to those rows only."""
+    vocab_size = logits.shape[1]
+    active = ((presence != 0) | (frequency != 0) | (repetition != 1)).nonzero().squeeze(1)
+    if not active.numel():
+        return
+    rows = active.tolist()
+    sub = logits[active]
+    counts = token_counts([output_token_ids[r] for r in rows], vocab_size, logits.device)
+    # Repetition first, over prompt + output; a penalty of 1 leaves a row as it is.
+    seen = counts > 0
     if prompt_token_ids is not None:
-        seen |= _bincount_rows(prompt_token_ids, vocab_size) > 0
-    rep = repetition.unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / rep, logits * rep)
-    logits.copy_(torch.where(seen, penalized, logits))
-    logits -= frequency.unsqueeze(1) * output_counts + presence.unsqueeze(1) * (output_counts > 0)
+        seen |= _presence_rows(prompt_token_ids[active], vocab_size)
+    rep = repetition[active].unsqueeze(1)
+    sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
+    # Then frequency and presence, over the output only.
+    sub -= frequency[active].unsqueeze(1) * counts + presence[active].unsqueeze(1) * (counts > 0)
+    logits[active] = sub
 
 
 def apply_top_k(logits: torch.Tensor, k: torch.Tensor) -> None:
-    """Keep each row's k largest logits. `k` >= vocab means off for that row."""
+    """Keep each row's k largest logits (ties with the k-th kept). `k` >= vocab means off."""
     vocab_size = logits.shape[1]
-    k = k.clamp(1, vocab_size)
-    max_k = int(k.max())
-    top_values = torch.topk(logits, max_k, dim=1).values
-    kth = top_values.gather(1, (k - 1).unsqueeze(1))
+    on = k < vocab_size
+    if not bool(on.any()):
+        return
+    max_k = int(k[on].max())
+    top_values = logits.topk(max_k, dim=1).values  # a small topk, not a sort of the vocabulary
+    kth = top_values.gather(1, (k.clamp(1, max_k) - 1).unsqueeze(1))
+    kth.masked_fill_(~on.unsqueeze(1), NEG_INF)
     logits.masked_fill_(logits < kth, NEG_INF)
 
 
-def apply_top_p(logits: torch.Tensor, p: torch.Tensor) -> None:
-    """Keep each row's smallest set of most likely tokens whose probability reaches p."""
-    sorted_logits, sorted_idx = logits.sort(dim=1, descending=False)
-    cum = sorted_logits.softmax(dim=1).cumsum(dim=1)
-    # Ascending order: drop a token when everything up to and including it sums to at most 1 - p.
-    drop = cum <= (1.0 - p).unsqueeze(1)
-    drop[:, -1] = False  # the most likely token always stays
-    logits.scatter_(1, sorted_idx, sorted_logits.masked_fill(drop, NEG_INF))
+def apply_top_p(logits: torch.Tensor, p: torch.Tensor, k: torch.Tensor | None = None) -> None:
+    """Keep each row's smallest set of most likely tokens whose probability reaches p.
+
+    Only rows with p < 1 are touched. When every such row already went through top-k (`k`), its
+    mass lies in its top k logits, so a small topk replaces the full sort of the vocabulary.
+    """
+    vocab_size = logits.shape[1]
+    rows = (p < 1.0).nonzero().squeeze(1)
+    if not rows.numel():
+        return
+    sub = logits[rows]
+    if k is not None and bool((k[rows] < vocab_size).all()):
+        desc = sub.topk(int(k[rows].max()), dim=1).values
+    else:
+        desc = sub.sort(dim=1, descending=True).values
+    probs = desc.softmax(dim=1)
+    mass_before = probs.cumsum(dim=1) - probs
+    # A token stays while the more likely ones hold less than p; the first always stays.
+    num_kept = (mass_before < p[rows].unsqueeze(1)).sum(dim=1).clamp(min=1)
+    threshold = desc.gather(1, (num_kept - 1).unsqueeze(1))
+    logits[rows] = sub.masked_fill(sub < threshold, NEG_INF)
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
@@ -94,14 +120,17 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """One draw per row by the exponential race: argmax(p / E), E ~ Exp(1), picks i with prob p_i.
+    """One draw per row by inverting the CDF with a single uniform number per row.
 
-    Seeded rows fill their noise from their own generator, so their draw is independent of the
-    batch around them; the rest share one batched fill from the default generator.
+    Seeded rows take their number from their own generator, so their draw depends on nothing else
+    in the batch; the rest share one batched draw from the default generator. One cumsum is far
+    cheaper on CPU than a vocab-sized exponential or Gumbel noise fill.
     """
-    noise = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        noise.exponential_()
+    cdf = probs.cumsum(dim=1)
+    u = torch.rand(probs.shape[0], 1, device=probs.device)
     for row, gen in generators.items():
-        noise[row].exponential_(generator=gen)
-    return probs.div_(noise).argmax(dim=1)
+        u[row] = torch.rand(1, generator=gen, device=gen.device)
+    # First index whose CDF reaches u * total. Clamping u above 0 means a zero-probability token
+    # (whose CDF equals its predecessor's) can never be the first to reach it.
+    target = (u * cdf[:, -1:]).clamp_(min=torch.finfo(cdf.dtype).tiny)
+    return torch.searchsorted(cdf, target).squeeze(1).clamp_(max=probs.shape[1] - 1)

@@ -2,7 +2,7 @@
 
 Order (vLLM's): logit bias -> min_tokens bans -> repetition/presence/frequency penalties ->
 greedy rows take the argmax; random rows go through temperature -> top-k -> top-p -> min-p and
-are drawn by the exponential race with their own generator when seeded. Logprobs, when asked
+are drawn by inverse-CDF sampling, from their own generator when seeded. Logprobs, when asked
 for, are of the raw logits (before any of this). Every stage is skipped when no row uses it.
 """
 
@@ -72,7 +72,7 @@ class Sampler:
         if md.top_k is not None:
             ops.apply_top_k(logits, md.top_k)
         if md.top_p is not None:
-            ops.apply_top_p(logits, md.top_p)
+            ops.apply_top_p(logits, md.top_p, md.top_k)
         if md.min_p is not None:
             ops.apply_min_p(logits, md.min_p)
         drawn = ops.random_sample(logits.softmax(dim=1), md.generators)
