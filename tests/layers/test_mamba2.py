@@ -89,6 +89,19 @@ def test_full_prefill_matches_transformers(config, layers) -> None:
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("chunk", [5, 3, 64])
+def test_scan_chunk_size_is_free(config, layers, chunk) -> None:
+    """Our chunking need not match transformers' (8): odd chunk sizes give the same outputs."""
+    hf, ours = layers
+    other = Mamba2Mixer(Mamba2Dims(**{**ours.dims.__dict__, "chunk_size": chunk}))
+    other.load_weights(ours.state_dict().items())
+    torch.manual_seed(7)
+    x = torch.randn(1, 29, HIDDEN)
+    conv, ssm = fresh_states(config, 1)
+    torch.testing.assert_close(run(other, [x[0]], conv, ssm, [False])[0], hf(x)[0], atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
 @pytest.mark.parametrize("pieces", [[1, 7, 13, 2, 17], [3, 1, 1, 30, 1], [8, 8, 9, 10]])
 def test_split_prefill_equals_one_pass(config, layers, pieces) -> None:
     _, ours = layers

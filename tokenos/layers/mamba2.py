@@ -7,7 +7,8 @@ Idea: the mixer is ``in_proj -> causal conv (rolling state) -> selective scan (S
 - SSM state ``[num_heads, head_dim, state_size]``: ``h_t = exp(dt_t * A) h_{t-1} + dt_t x_t B_t^T``.
 
 A request with one new token takes the recurrent step; longer ones take the SSD chunked scan (intra-chunk
-quadratic "attention" plus a sequential pass carrying state across chunks), starting from the given state.
+quadratic "attention" plus a sequential pass carrying state across chunks), starting from the given state;
+the chunk is the config's ``chunk_size`` capped at ``SCAN_CHUNK_CAP``.
 Both read and write the caller's state tensors in place, so any split of a sequence gives the same result
 as one pass (up to float rounding). With ``forward_with_checkpoints`` the scan's chunks are aligned to
 absolute positions and the states at multiples of a granularity come out of the same pass, for
@@ -40,6 +41,11 @@ from tokenos.layers.short_conv import (
     make_checkpoints,
     make_param,
 )
+
+# The chunk length is a free parameter of the SSD scan (any value gives the same result up to rounding).
+# Checkpoint configs use 128-256, tuned for GPU kernels; in torch on CPU the per-head quadratic part
+# dominates there and 64 is about 2-3x faster.
+SCAN_CHUNK_CAP = 64
 
 
 @dataclass(frozen=True)
@@ -117,30 +123,36 @@ def ssd_chunk_scan(
     """The SSD chunked scan over the prefill requests of ``layout``, without the D skip.
 
     Args (flat over all tokens of the batch; only ``layout.token_src`` rows are read):
-        x ``[T, H, P]``, dt ``[T, H]`` (after softplus and clamp), A ``[H]`` (negative), B/C ``[T, H, N]``
-        (already expanded from groups to heads), initial_states ``[num_prefill, H, P, N]``.
+        x ``[T, H, P]``, dt ``[T, H]`` (after softplus and clamp), A ``[H]`` (negative), B/C ``[T, G, N]``
+        (head ``h`` reads group ``h // (H / G)``), initial_states ``[num_prefill, H, P, N]``.
     Returns:
         y ``[len(token_src), H, P]`` and boundary states ``[num_prefill, max_chunks + 1, H, P, N]``:
         ``[:, 0]`` the initial state, ``[:, j + 1]`` the state after the request's chunk ``j``.
     """
+    num_heads, head_dim = x.shape[1:]
+    groups, state_size = B.shape[1:]
     xc, dtc, Bc, Cc = (layout.to_chunks(t) for t in (x, dt, B, C))
+    n, c = dtc.shape[:2]
+    per_group = (n, groups, num_heads // groups)  # heads split as [group, head-in-group]
     a = (dtc * A).transpose(1, 2)  # [n, H, c]: log-decay of each step; 0 on identity tokens
     a_cum = a.cumsum(dim=-1)
-    x_dt = xc * dtc[..., None]
-    # Within a chunk: y_l = sum_{s<=l} (C_l . B_s) exp(a_cum_l - a_cum_s) dt_s x_s.
-    scores = torch.einsum("nlhd,nshd->nhls", Cc, Bc) * torch.exp(segment_sum(a))
-    y = torch.einsum("nhls,nshp->nlhp", scores, x_dt)
+    x_dt = (xc * dtc[..., None]).view(n, c, *per_group[1:], head_dim)
+    # Within a chunk: y_l = sum_{s<=l} (C_l . B_s) exp(a_cum_l - a_cum_s) dt_s x_s. C . B is per group,
+    # so it is computed once per group, not per head.
+    scores = torch.einsum("nlgd,nsgd->ngls", Cc, Bc)[:, :, None] * torch.exp(segment_sum(a)).view(
+        *per_group, c, c)
+    y = torch.einsum("ngjls,nsgjp->nlgjp", scores, x_dt)
     # Each chunk's own contribution to the state at its end, and its total decay.
-    decay_to_end = torch.exp(a_cum[..., -1:] - a_cum)
-    chunk_states = torch.einsum("nlhd,nhl,nlhp->nhpd", Bc, decay_to_end, x_dt)
+    decay_to_end = torch.exp(a_cum[..., -1:] - a_cum).view(*per_group, c).permute(0, 3, 1, 2)
+    chunk_states = torch.einsum("nlgjp,nlgd->ngjpd", x_dt * decay_to_end[..., None], Bc)
+    chunk_states = chunk_states.reshape(n, num_heads, head_dim, state_size)
     chunk_decay = torch.exp(a_cum[..., -1])
     boundary = _carry_across_chunks(chunk_states, chunk_decay, layout.chunk_table, initial_states)
     # Across chunks: y_l += exp(a_cum_l) C_l . h_start.
-    start = torch.zeros_like(chunk_states)
-    if layout.chunk_table.numel():
-        start[layout.chunk_table.reshape(-1)] = boundary[:, :-1].reshape(-1, *boundary.shape[2:])
-    y = y + torch.einsum("nlhd,nhpd->nlhp", Cc, start) * torch.exp(a_cum).transpose(1, 2)[..., None]
-    return layout.from_chunks(y), boundary
+    start = layout.chunk_start_states(boundary).view(*per_group, head_dim, state_size)
+    decay_in = torch.exp(a_cum).view(*per_group, c).permute(0, 3, 1, 2)[..., None]
+    y = y + torch.einsum("nlgd,ngjpd->nlgjp", Cc, start) * decay_in
+    return layout.from_chunks(y.reshape(n, c, num_heads, head_dim)), boundary
 
 
 def _carry_across_chunks(
@@ -245,21 +257,23 @@ class Mamba2Mixer(nn.Module):
         group_dim = d.n_groups * d.state_size
         x, B, C = xbc.split([d.intermediate_size, group_dim, group_dim], dim=-1)
         x = x.reshape(num_tokens, d.num_heads, d.head_dim)
-        heads_per_group = d.num_heads // d.n_groups
-        B = B.reshape(num_tokens, d.n_groups, d.state_size).repeat_interleave(heads_per_group, dim=1)
-        C = C.reshape(num_tokens, d.n_groups, d.state_size).repeat_interleave(heads_per_group, dim=1)
+        B = B.reshape(num_tokens, d.n_groups, d.state_size)
+        C = C.reshape(num_tokens, d.n_groups, d.state_size)
+        per_group = d.num_heads // d.n_groups
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*d.time_step_limit)
         A = -torch.exp(self.A_log.float())
 
         y = torch.zeros_like(x, dtype=torch.float32)
 
         def step(state: torch.Tensor, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return ssd_recurrent_step(state, x[tok].float(), dt[tok], A, B[tok].float(), C[tok].float())
+            B_t, C_t = (t[tok].float().repeat_interleave(per_group, dim=1) for t in (B, C))
+            return ssd_recurrent_step(state, x[tok].float(), dt[tok], A, B_t, C_t)
 
         def scan(layout: ChunkLayout, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return ssd_chunk_scan(x, dt, A, B, C, layout, initial)
 
-        states = advance_states(batch, ssm_state, y, d.chunk_size, checkpoint_every, step, scan)
+        chunk = min(d.chunk_size, SCAN_CHUNK_CAP)
+        states = advance_states(batch, ssm_state, y, chunk, checkpoint_every, step, scan)
         y = y + self.D.float()[:, None] * x
         y = _gated_rms_norm(y.reshape(num_tokens, d.intermediate_size), gate, self.norm.weight,
                             d.intermediate_size // d.n_groups, d.eps)

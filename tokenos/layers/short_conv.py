@@ -305,6 +305,13 @@ class ChunkLayout:
         """``[num_chunks + 1, chunk_size, *rest]`` -> ``[num_prefill_tokens, *rest]``, ``token_src`` order."""
         return y.reshape(-1, *y.shape[2:])[self.token_slot]
 
+    def chunk_start_states(self, boundary: torch.Tensor) -> torch.Tensor:
+        """Boundary states ``[num_prefill, max_chunks + 1, ...]`` -> the state at the start of every chunk,
+        ``[num_chunks + 1, ...]`` (zeros for the identity chunk). Requests' chunks are numbered in order."""
+        parts = [boundary[p, :n] for p, n in enumerate(self.chunks_per_req)]
+        parts.append(boundary.new_zeros((1, *boundary.shape[2:])))
+        return torch.cat(parts)
+
     def chunk_of(self, p: int, tokens_in: int) -> int:
         """Index ``j`` (into ``chunk_table[p]``) of the chunk ending right after ``tokens_in`` new tokens.
 
