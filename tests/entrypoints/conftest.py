@@ -42,8 +42,8 @@ class FakeTokenizer:
 
 
 class FakeEngine:
-    def __init__(self, max_model_len: int = 64, step_delay_s: float = 0.0) -> None:
-        self.model_config = SimpleNamespace(max_model_len=max_model_len, vocab_size=1000)
+    def __init__(self, max_model_len: int = 64, step_delay_s: float = 0.0, vocab_size: int = 1000) -> None:
+        self.model_config = SimpleNamespace(max_model_len=max_model_len, vocab_size=vocab_size)
         self.served_model_name = "fake-model"
         self.tokenizer = FakeTokenizer()
         self.metrics = EngineMetrics("fake-model")
@@ -134,6 +134,11 @@ def serve_args(**overrides) -> argparse.Namespace:
 @pytest.fixture
 def fake_engine() -> FakeEngine:
     return FakeEngine()
+
+
+@pytest.fixture
+def fake_engine_class() -> type[FakeEngine]:
+    return FakeEngine
 
 
 @pytest.fixture
