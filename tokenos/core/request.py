@@ -58,7 +58,8 @@ class Request:
         "cache_salt",
         "adapter_id",
         "output_token_ids",
-        "_all_token_ids",
+        "all_token_ids",
+        "max_total_tokens",
         "num_prompt_tokens",
         "num_computed_tokens",
         "num_cached_tokens",
@@ -93,7 +94,8 @@ class Request:
         self.cache_salt = cache_salt
         self.adapter_id = adapter_id
         self.output_token_ids: list[int] = []
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        # Prompt then outputs. A live list: read it, never mutate it from outside.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0
         # Prefix-hit tokens at first admission (reported to the user); -1 until admitted.
@@ -104,6 +106,8 @@ class Request:
         self.stop_reason: int | str | None = None
         # None: no cap besides max_model_len.
         self.max_tokens = sampling_params.max_tokens
+        # min(prompt + max_tokens, max_model_len): set by the scheduler when the request is added.
+        self.max_total_tokens = 1 << 62
         self._block_hasher = None
         self._next_hash_at = 1 << 62
         if block_hasher is not None:
@@ -130,13 +134,8 @@ class Request:
     # ------------------------------------------------------------------ tokens
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt then outputs. A live list: read it, do not mutate it."""
-        return self._all_token_ids
-
-    @property
     def num_tokens(self) -> int:
-        return len(self._all_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
@@ -145,12 +144,12 @@ class Request:
     def append_output_token_ids(self, token_ids: int | list[int]) -> None:
         if isinstance(token_ids, int):
             self.output_token_ids.append(token_ids)
-            self._all_token_ids.append(token_ids)
+            self.all_token_ids.append(token_ids)
         else:
             self.output_token_ids.extend(token_ids)
-            self._all_token_ids.extend(token_ids)
+            self.all_token_ids.extend(token_ids)
         # Hash only when a whole new hash block is known: one int compare per decode token.
-        if len(self._all_token_ids) >= self._next_hash_at:
+        if len(self.all_token_ids) >= self._next_hash_at:
             self._update_block_hashes()
 
     def set_block_hasher(self, block_hasher: Callable[[Request], list[BlockHash]]) -> None:

@@ -151,6 +151,9 @@ class KVCacheCoordinator:
                 out[m.group_id] = c
         return out
 
+    def token_horizon(self, request_id: str) -> int:
+        return min(m.token_horizon(request_id, self.enable_caching) for m in self.managers)
+
     def free(self, request_id: str) -> None:
         for m in self.managers:
             m.free(request_id)

@@ -38,6 +38,8 @@ class KVCacheManager:
         self.has_recurrent = bool(self.coordinator.recurrent)
         self.has_skipping = bool(self.coordinator.skippers)
         self.empty_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in range(self.num_groups))
+        # request id -> token count reachable without allocating or publishing (fast path).
+        self._horizon: dict[str, int] = {}
         # Cumulative prefix-cache counters, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -69,8 +71,16 @@ class KVCacheManager:
         or None when the pool cannot supply max(need, reservation) blocks; then nothing changed.
         """
         rid = request.request_id
-        coord = self.coordinator
         num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        # Fast path (most decode steps): every group already has the pages for `num_tokens`
+        # and no block becomes full, so nothing to allocate or publish.
+        if (
+            num_tokens <= self._horizon.get(rid, -1)
+            and not num_tokens_to_reserve
+            and new_computed_blocks is None
+        ):
+            return NO_NEW_BLOCKS
+        coord = self.coordinator
         need = coord.get_num_blocks_to_allocate(
             rid, max(num_tokens, num_tokens_to_reserve), new_computed_blocks
         )
@@ -81,6 +91,7 @@ class KVCacheManager:
         new = coord.allocate_new_blocks(rid, num_tokens)
         if self.enable_caching:
             coord.cache_blocks(request, num_tokens)
+        self._horizon[rid] = coord.token_horizon(rid)
         for blocks in new:
             if blocks:
                 return tuple([b.block_id for b in blks] for blks in new)
@@ -102,6 +113,7 @@ class KVCacheManager:
         return self.coordinator.state_copies(num_computed_tokens, num_tokens)
 
     def free(self, request: Request) -> None:
+        self._horizon.pop(request.request_id, None)
         self.coordinator.free(request.request_id)
 
     def free_unfinished_step(self, request: Request) -> None:
@@ -109,10 +121,10 @@ class KVCacheManager:
         blocks published for that step never get written, so their hashes are dropped first."""
         if self.enable_caching:
             self.coordinator.uncache_blocks_from(request, request.num_computed_tokens)
-        self.coordinator.free(request.request_id)
+        self.free(request)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.coordinator.get_block_ids(request_id)
 
     def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+        return self.block_pool.reset_prefix_cache()  # only succeeds with no request holding blocks

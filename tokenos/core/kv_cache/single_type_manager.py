@@ -147,6 +147,15 @@ class SingleTypeKVCacheManager:
         self.block_pool.free_blocks(freed)
         return removed
 
+    def token_horizon(self, request_id: str, caching: bool) -> int:
+        """Largest token count the request can reach with no new block and nothing to publish
+        in this group (the manager's fast path for decode steps)."""
+        bs = self.block_size
+        cap = len(self.req_to_blocks.get(request_id, _EMPTY)) * bs
+        if caching and not self.publishes_after_step:
+            cap = min(cap, (self.num_cached_block.get(request_id, 0) + 1) * bs - 1)
+        return cap
+
     def free(self, request_id: str) -> None:
         blocks = self.req_to_blocks.pop(request_id, None)
         if blocks:
@@ -274,6 +283,11 @@ class MambaManager(SingleTypeKVCacheManager):
         new.extend(self.block_pool.get_new_blocks(1))
         blocks.extend(new)
         return new
+
+    def token_horizon(self, request_id: str, caching: bool) -> int:
+        if self.mode == "none" and self.req_to_blocks.get(request_id):
+            return 1 << 62  # one page for the whole life of the request
+        return len(self.req_to_blocks.get(request_id, _EMPTY)) * self.block_size
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish checkpoints; call only after the step reaching `num_tokens` has run."""

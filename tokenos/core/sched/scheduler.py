@@ -28,6 +28,7 @@ from tokenos.core.kv_cache.spec import KVCacheConfig
 from tokenos.core.outputs import (
     CachedRequestData,
     EngineCoreOutput,
+    FinishReason,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
@@ -36,6 +37,11 @@ from tokenos.core.request import Request, RequestStatus
 from tokenos.core.sched.request_queue import create_request_queue
 
 _RUNNING = RequestStatus.RUNNING
+_FINISH_REASON_OF = {
+    RequestStatus.FINISHED_STOPPED: int(FinishReason.STOP),
+    RequestStatus.FINISHED_LENGTH: int(FinishReason.LENGTH),
+    RequestStatus.FINISHED_ABORTED: int(FinishReason.ABORT),
+}
 
 
 class Scheduler:
@@ -94,6 +100,10 @@ class Scheduler:
             )
         if self.kv_cache_manager.enable_caching:
             request.set_block_hasher(self.kv_cache_manager.block_hasher)
+        cap = self.max_model_len
+        if request.max_tokens is not None:
+            cap = min(cap, request.num_prompt_tokens + request.max_tokens)
+        request.max_total_tokens = cap
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
         self.waiting.add(request)
@@ -190,7 +200,7 @@ class Scheduler:
         while i < len(running) and budget > 0:
             req = running[i]
             n = req.num_computed_tokens
-            num_new = req.num_tokens - n
+            num_new = len(req.all_token_ids) - n
             if num_new > 1 or num_new > budget:
                 num_new = self._chunk(req, n, num_new, budget)
             if n + num_new > max_model_len:
@@ -352,6 +362,7 @@ class Scheduler:
         cache_recurrent = kv.has_recurrent_caching
         outputs: list[EngineCoreOutput] = []
         any_finished = False
+        check_stop = self._check_stop
         for rid in scheduler_output.num_scheduled_tokens:
             req = requests.get(rid)
             if req is None or req.status != _RUNNING:
@@ -363,10 +374,10 @@ class Scheduler:
             finished = False
             new_lp = None
             # Tokens sampled for a partial prefill chunk are not real outputs: ignore them.
-            if tokens and req.num_computed_tokens >= req.num_tokens:
+            if tokens and req.num_computed_tokens >= len(req.all_token_ids):
                 for k, tok in enumerate(tokens):
                     req.append_output_token_ids(tok)
-                    if self._check_stop(req):
+                    if check_stop(req):
                         finished = True
                         tokens = tokens[: k + 1]
                         break
@@ -376,17 +387,19 @@ class Scheduler:
                 tokens = None
             plp = prompt_logprobs.get(rid) if prompt_logprobs else None
             if tokens or finished or plp is not None:
+                if plp is not None:
+                    plp = [None if lp is None else (lp.token_ids, lp.logprobs, lp.rank) for lp in plp]
+                # Positional: request_id, new_token_ids, new_logprobs, prompt_logprobs,
+                # finish_reason, stop_reason, num_cached_tokens (the hot path of every step).
                 outputs.append(
                     EngineCoreOutput(
-                        request_id=rid,
-                        new_token_ids=tokens or [],
-                        new_logprobs=new_lp,
-                        prompt_logprobs=None
-                        if plp is None
-                        else [None if lp is None else (lp.token_ids, lp.logprobs, lp.rank) for lp in plp],
-                        finish_reason=int(req.get_finish_reason()) if finished else None,
-                        stop_reason=req.stop_reason,
-                        num_cached_tokens=max(req.num_cached_tokens, 0),
+                        rid,
+                        tokens or [],
+                        new_lp,
+                        plp,
+                        _FINISH_REASON_OF[req.status] if finished else None,
+                        req.stop_reason,
+                        req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
                     )
                 )
             if finished:
@@ -405,13 +418,12 @@ class Scheduler:
             if last == req.eos_token_id and not sp.ignore_eos:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
-            if sp.all_stop_token_ids and last in sp.all_stop_token_ids:
+            if last in sp.all_stop_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 req.stop_reason = last
                 return True
-        if req.num_tokens >= self.max_model_len or (
-            req.max_tokens is not None and len(out) >= req.max_tokens
-        ):
+        # max_total_tokens = min(max_model_len, prompt + max_tokens), set in add_request.
+        if len(req.all_token_ids) >= req.max_total_tokens:
             req.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
