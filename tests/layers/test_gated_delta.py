@@ -207,3 +207,19 @@ def test_checkpoints_need_positions(layers) -> None:
     conv, rec = torch.zeros(1, 3, 64), torch.zeros(1, 4, 8, 8)
     with pytest.raises(ValueError, match="num_computed_tokens"):
         ours.forward_with_checkpoints(torch.randn(3, HIDDEN), batch, conv, rec, 8)
+
+
+@torch.no_grad()
+def test_bfloat16_weights_and_states_track_float32(config, layers) -> None:
+    """bf16 params, activations and conv state with a float32 recurrent state stay close to float32."""
+    _, ours = layers
+    low = GatedDeltaNet(ours.dims, params_dtype=torch.bfloat16)
+    low.load_weights(ours.state_dict().items())
+    torch.manual_seed(8)
+    x = torch.randn(20, HIDDEN)
+    conv_shape, rec_shape = shapes(config)
+    ref = run(ours, [x], torch.zeros(1, *conv_shape), torch.zeros(1, *rec_shape), [False])[0]
+    conv, rec = torch.zeros(1, *conv_shape, dtype=torch.bfloat16), torch.zeros(1, *rec_shape)
+    out = run(low, [x.bfloat16()], conv, rec, [False])[0]
+    assert out.dtype == torch.bfloat16 and conv.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=0.05, rtol=0.05)

@@ -227,3 +227,19 @@ def test_load_weights_rejects_unknown_and_misshapen(layers) -> None:
     ours.load_weights([("conv1d.weight", w)])
     assert torch.equal(ours.conv1d.weight[:, 0], w)
     ours.load_weights([("conv1d.weight", saved)])
+
+
+@torch.no_grad()
+def test_bfloat16_weights_and_states_track_float32(config, layers) -> None:
+    """bf16 params, activations and conv state with a float32 SSM state stay close to float32."""
+    _, ours = layers
+    low = Mamba2Mixer(config, params_dtype=torch.bfloat16)
+    low.load_weights(ours.state_dict().items())
+    torch.manual_seed(8)
+    x = torch.randn(20, HIDDEN)
+    conv_shape, ssm_shape = state_shapes(config)
+    ref = run(ours, [x[:13]], torch.zeros(1, *conv_shape), torch.zeros(1, *ssm_shape), [False])[0]
+    conv, ssm = torch.zeros(1, *conv_shape, dtype=torch.bfloat16), torch.zeros(1, *ssm_shape)
+    out = run(low, [x[:13].bfloat16()], conv, ssm, [False])[0]
+    assert out.dtype == torch.bfloat16 and conv.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=0.1, rtol=0.05)
