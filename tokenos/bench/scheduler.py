@@ -19,7 +19,9 @@ from tokenos.core.sched.scheduler import Scheduler
 from tokenos.sampling_params import SamplingParams
 
 
-def bench(num_running: int, num_steps: int, prompt_len: int = 128, block_size: int = 16) -> tuple[float, float]:
+def bench(
+    num_running: int, num_steps: int, prompt_len: int = 128, block_size: int = 16
+) -> tuple[float, float]:
     max_model_len = prompt_len + num_steps + 64
     cfg = get_kv_cache_config(
         {f"layer{i}": FullAttentionSpec(block_size, 8, 128, "bfloat16") for i in range(4)},

@@ -168,17 +168,14 @@ class Scheduler:
     def _align(self, req: Request, num_computed: int, num_new: int) -> int:
         a = self.alignment
         end = num_computed + num_new
-        total = req.num_tokens
-        if end >= total:
-            return num_new  # the final chunk ends where the tokens end
-        last = total // a * a
+        last = req.num_tokens // a * a  # the last boundary of the known tokens
         if end < last:
             aligned = end // a * a
             # No boundary reachable this step (tiny budget): go unaligned rather than stall;
             # only the checkpoint opportunity is lost, correctness does not depend on it.
             return aligned - num_computed if aligned > num_computed else num_new
-        if num_computed < last:
-            return last - num_computed  # stop on the last boundary so it becomes a checkpoint
+        if num_computed < last < end:
+            return last - num_computed  # split at the last boundary so it becomes a checkpoint
         return num_new
 
     def schedule(self) -> SchedulerOutput:
