@@ -55,6 +55,17 @@ def make_config(num_blocks: int, *specs) -> KVCacheConfig:
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_groups=groups)
 
 
+# KV-cache layouts the simulations run over (block size 4 everywhere).
+LAYOUTS = {
+    "full": lambda: (attn(4),),
+    "sliding+full": lambda: (attn(4), swa(4, 6)),
+    "hybrid-align": lambda: (attn(4), mamba(4, "align")),
+    "hybrid-all": lambda: (attn(4), mamba(4, "all"), mamba(4, "all")),
+    "hybrid-none": lambda: (attn(4), mamba(4, "none")),
+    "sliding+mamba": lambda: (swa(4, 5), mamba(4, "align")),
+}
+
+
 @dataclass
 class _ReqState:
     tokens: list[int]

@@ -6,20 +6,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from core_sim import Checker, FakeWorker, attn, make_config, make_request, mamba, step, swa
+from core_sim import LAYOUTS, Checker, FakeWorker, make_config, make_request, step
 
 from tokenos.config import CacheConfig, SchedulerConfig
 from tokenos.core.request import RequestStatus
 from tokenos.core.sched.scheduler import Scheduler
-
-LAYOUTS = {
-    "full": lambda: (attn(4),),
-    "sliding+full": lambda: (attn(4), swa(4, 6)),
-    "hybrid-align": lambda: (attn(4), mamba(4, "align")),
-    "hybrid-all": lambda: (attn(4), mamba(4, "all"), mamba(4, "all")),
-    "hybrid-none": lambda: (attn(4), mamba(4, "none")),
-    "sliding+mamba": lambda: (swa(4, 5), mamba(4, "align")),
-}
 
 
 def run_sim(layout, num_requests, num_blocks, seed, policy="fcfs", abort_every=0, check_every=1, budget=32):
