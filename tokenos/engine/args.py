@@ -25,6 +25,7 @@ def _default_kv_cache_memory_bytes() -> int:
 class EngineArgs:
     model: str | None = None  # HF folder or .gguf file; None: the embedded SmolLM2
     tokenizer: str | None = None  # defaults to the model's
+    skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks, tokenizer-less checkpoints)
     served_model_name: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -70,3 +71,10 @@ class EngineArgs:
             return self.kv_cache_memory_bytes
         env = os.environ.get("TOKENOS_KV_CACHE_MEMORY_BYTES")
         return int(env) if env else _default_kv_cache_memory_bytes()
+
+
+def model_name(model_config) -> str:
+    """The name a model is served and logged under: its file or folder name."""
+    path = model_config.model_path.rstrip("/")
+    name = os.path.basename(path)
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name

@@ -14,7 +14,7 @@ import copy
 import logging
 from collections.abc import AsyncIterator
 
-from tokenos.engine.args import EngineArgs
+from tokenos.engine.args import EngineArgs, model_name
 from tokenos.engine.core_client import AsyncEngineCoreClient, EngineDeadError, RequestStream
 from tokenos.engine.output_processor import OutputProcessor
 from tokenos.engine.processor import Processor, PromptType
@@ -40,7 +40,7 @@ class AsyncLLM:
         self.model_config = load_model_config(
             engine_args.model, dtype=engine_args.dtype, max_model_len=engine_args.max_model_len
         )
-        self.served_model_name = engine_args.served_model_name or self.model_config.name
+        self.served_model_name = engine_args.served_model_name or model_name(self.model_config)
         self.tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
         self.processor = Processor(self.tokenizer, self.model_config)
         self.metrics = metrics

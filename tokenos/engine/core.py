@@ -15,7 +15,7 @@ from tokenos.core.kv_cache.spec import get_kv_cache_config
 from tokenos.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from tokenos.core.request import Request, RequestStatus
 from tokenos.core.sched.scheduler import Scheduler
-from tokenos.engine.args import EngineArgs
+from tokenos.engine.args import EngineArgs, model_name
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ class EngineCore:
         layer_specs = self.model_runner.get_kv_cache_spec()
         self.kv_cache_config = get_kv_cache_config(
             layer_specs,
-            available_memory_bytes=args.resolved_kv_cache_memory_bytes,
+            available_memory_bytes=None if args.num_kv_blocks else args.resolved_kv_cache_memory_bytes,
             num_blocks=args.num_kv_blocks,
             max_model_len=model_config.max_model_len,
         )
@@ -49,7 +49,7 @@ class EngineCore:
         logger.info(
             "engine core ready in %.1fs: model %s, %d KV blocks (%d tokens)",
             self.startup_s,
-            model_config.name,
+            model_name(model_config),
             self.kv_cache_config.num_blocks,
             self.num_kv_tokens,
         )
@@ -104,7 +104,7 @@ class EngineCore:
 
     def get_model_info(self) -> dict:
         return {
-            "model": self.model_config.name,
+            "model": model_name(self.model_config),
             "max_model_len": self.model_config.max_model_len,
             "num_kv_blocks": self.kv_cache_config.num_blocks,
             "kv_pool_tokens": self.num_kv_tokens,

@@ -76,7 +76,9 @@ class OutputProcessor:
         samples = []
         for i, cid in enumerate(child_ids):
             detok = (
-                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params) if params.detokenize else None
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
+                if params.detokenize and self.tokenizer is not None
+                else None
             )
             samples.append(SampleState(cid, i, detok, logprobs=[] if params.logprobs is not None else None,
                                        cumulative_logprob=0.0 if params.logprobs is not None else None))
@@ -175,7 +177,9 @@ class OutputProcessor:
             result[tok] = Logprob(value, rank if i == 0 else i, self._decode_token(tok))
         return result
 
-    def _decode_token(self, token_id: int) -> str:
+    def _decode_token(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ------------------------------------------------------------ building user outputs

@@ -36,14 +36,19 @@ class Processor:
             eos = ids[0] if ids else None
         return eos
 
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("This engine was started with skip_tokenizer_init: give prompt_token_ids, not text.")
+        return self.tokenizer.encode(text)
+
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self._encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
             if "prompt" in prompt:
-                return prompt["prompt"], self.tokenizer.encode(prompt["prompt"])
+                return prompt["prompt"], self._encode(prompt["prompt"])
             raise ValueError("A prompt dict needs 'prompt' (text) or 'prompt_token_ids'.")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)

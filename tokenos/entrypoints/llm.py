@@ -30,7 +30,11 @@ class LLM:
         self.engine_args = EngineArgs(model=model, **kwargs)
         self.engine = EngineCore(self.engine_args)
         self.model_config = self.engine.model_config
-        self.tokenizer = load_tokenizer(self.engine_args.tokenizer or self.engine_args.model)
+        self.tokenizer = (
+            None
+            if self.engine_args.skip_tokenizer_init
+            else load_tokenizer(self.engine_args.tokenizer or self.engine_args.model)
+        )
         self.processor = Processor(self.tokenizer, self.model_config)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
@@ -99,6 +103,8 @@ class LLM:
         text, token_ids = self.processor.tokenize_prompt(prompt)
         params = _copy_params(params)
         params.output_kind = RequestOutputKind.FINAL_ONLY
+        if self.tokenizer is None:
+            params.detokenize = False
         requests = self.processor.make_requests(request_id, token_ids, params, priority=priority)
         self.output_processor.add_request(request_id, text, token_ids, params, [r.request_id for r in requests])
         for req in requests:

@@ -93,6 +93,11 @@ class ModelRunner:
         for i, req_id in enumerate(cached.req_ids):
             state = self.requests[req_id]
             state.num_computed_tokens = cached.num_computed_tokens[i]
+            removed = cached.removed_block_idx[i] if cached.removed_block_idx else None
+            if removed is not None:
+                for g, indices in enumerate(removed):
+                    for j in indices:
+                        state.block_ids[g][j] = 0
             new_ids = cached.new_block_ids[i]
             if new_ids is not None:
                 for group_ids, added in zip(state.block_ids, new_ids, strict=True):
@@ -102,6 +107,9 @@ class ModelRunner:
                 batch.add_request(state)
                 continue
             batch.num_computed_tokens[row] = state.num_computed_tokens
+            if removed is not None:
+                for table, indices in zip(batch.block_tables, removed, strict=True):
+                    table.table[row, list(indices)] = 0
             if new_ids is not None:
                 for table, added in zip(batch.block_tables, new_ids, strict=True):
                     if added:
@@ -143,7 +151,9 @@ class ModelRunner:
         sample_mask = seq_after >= batch.num_tokens[:n]
         logits_idx = torch.from_numpy(cu - 1)
         logits = self.model.compute_logits(hidden[logits_idx])
-        sampler_out = self.sampler(logits, batch.sampling.make_metadata(n))
+        # rows still mid-prompt sample nothing; their seeded generators must not advance
+        discard = np.flatnonzero(~sample_mask).tolist()
+        sampler_out = self.sampler(logits, batch.sampling.make_metadata(n, discard_rows=discard))
         sampled = sampler_out.sampled_token_ids.tolist()
 
         sampled_lists: list[list[int]] = []

@@ -1,0 +1,68 @@
+"""Tiny random checkpoints and a transformers reference for end-to-end `LLM` parity tests."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    vocab_size=256,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    initializer_range=0.3,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+
+
+def build_tiny(folder: str, family: str, **overrides):
+    import transformers
+
+    cls = {
+        "llama": transformers.LlamaConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+        "mistral": transformers.MistralConfig,
+    }[family]
+    torch.manual_seed(0)
+    config = cls(**{**TINY, **overrides})
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("tiny") / "llama")
+    return folder, build_tiny(folder, "llama")
+
+
+def random_prompts(n: int, lo: int, hi: int, seed: int = 0, vocab: int = 256) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers greedy decoding, one prompt at a time: (token ids, logprob of each)."""
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+        eos_token_id=None,
+    )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
+    return tokens, logprobs
