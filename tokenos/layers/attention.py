@@ -9,9 +9,11 @@ later; ``rows_per_block`` is ``2 * block_size`` unless pages are padded (hybrid 
 A step mixes decodes (query_len == 1) and prefill chunks (query_len > 1, maybe after a
 cached prefix) in any order. Everything index-shaped is computed once per step in
 ``AttentionMetadata``; each layer then does one ``index_copy_`` (write), one gather plus one
-masked SDPA for all decodes together (GQA by folding the query heads of a KV head into the
-query-length axis), and one SDPA per prefill chunk. Masked cache rows are multiplied by zero
-probabilities, so caches must hold finite values: allocate them with ``allocate_kv_cache``.
+masked SDPA per group of decodes (GQA by folding the query heads of a KV head into the
+query-length axis), and one SDPA per prefill chunk. Decodes are grouped by similar context
+length, so padding each to its group's longest adds at most a third more work. Masked cache
+rows are multiplied by zero probabilities, so caches must hold finite values: allocate them
+with ``allocate_kv_cache``.
 """
 
 from __future__ import annotations
@@ -41,6 +43,24 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decodes of similar length, attended together over K/V padded to ``max_len``."""
+
+    tokens: slice | torch.Tensor  # their token indices in the step
+    seq_lens: torch.Tensor  # int64 [n]
+    slots: torch.Tensor  # int64 [n, max_len]; padding points at slot 0 (the null block)
+    max_len: int
+
+    @property
+    def size(self) -> int:
+        return len(self.seq_lens)
+
+
+# A decode joins the current group while its length is at least this fraction of the group's longest.
+DECODE_GROUP_MIN_FILL = 0.75
+
+
+@dataclass
 class AttentionMetadata:
     """Per-step attention inputs, shared by every layer of the forward."""
 
@@ -53,16 +73,13 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
     slot_mapping: torch.Tensor  # int64 [num_tokens], block_id * block_size + offset
-    decode_tokens: slice | torch.Tensor  # token indices of the decode requests
-    decode_seq_lens: torch.Tensor  # int64 [num_decodes]
-    decode_slots: torch.Tensor  # int64 [num_decodes, decode_max_len], padding -> slot 0 (null block)
-    decode_max_len: int
-    prefills: list[PrefillChunk]
+    decode_groups: list[DecodeGroup]  # requests with query_len == 1
+    prefills: list[PrefillChunk]  # requests with query_len > 1
     _cache: dict = field(default_factory=dict, repr=False)  # masks and row indices, built on first use
 
     @property
     def num_decodes(self) -> int:
-        return len(self.decode_seq_lens)
+        return sum(g.size for g in self.decode_groups)
 
     def _rows(self, slots: torch.Tensor, rows_per_block: int) -> torch.Tensor:
         """Flat-cache rows of K for ``slots`` followed by those of V, as one index."""
@@ -76,11 +93,11 @@ class AttentionMetadata:
             self._cache[key] = self._rows(self.slot_mapping, rows_per_block)
         return self._cache[key]
 
-    def decode_rows(self, rows_per_block: int) -> torch.Tensor:
-        """int64 [2 * num_decodes * decode_max_len]: the decodes' padded K then V rows."""
-        key = ("decode_rows", rows_per_block)
+    def decode_rows(self, i: int, rows_per_block: int) -> torch.Tensor:
+        """int64 [2 * size * max_len]: decode group i's padded K then V rows."""
+        key = ("decode_rows", i, rows_per_block)
         if key not in self._cache:
-            self._cache[key] = self._rows(self.decode_slots.reshape(-1), rows_per_block)
+            self._cache[key] = self._rows(self.decode_groups[i].slots.reshape(-1), rows_per_block)
         return self._cache[key]
 
     def prefill_rows(self, i: int, rows_per_block: int) -> torch.Tensor:
@@ -89,12 +106,13 @@ class AttentionMetadata:
             self._cache[key] = self._rows(self.prefills[i].slots, rows_per_block)
         return self._cache[key]
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """bool [num_decodes, 1, 1, decode_max_len]: real (and in-window) cache positions."""
-        key = ("decode", window)
+    def decode_mask(self, i: int, window: int | None) -> torch.Tensor:
+        """bool [size, 1, 1, max_len] for decode group i: real (and in-window) cache positions."""
+        key = ("decode", i, window)
         if key not in self._cache:
-            pos = torch.arange(self.decode_max_len)
-            lens = self.decode_seq_lens[:, None]
+            group = self.decode_groups[i]
+            pos = torch.arange(group.max_len)
+            lens = group.seq_lens[:, None]
             mask = pos < lens
             if window is not None:
                 mask &= pos >= lens - window
@@ -146,9 +164,6 @@ def make_attention_metadata(
     qsl = [0]
     for n in query_lens:
         qsl.append(qsl[-1] + n)
-    decodes = [r for r in range(num_reqs) if query_lens[r] == 1]
-    dec_lens = torch.tensor([seq_lens[r] for r in decodes], dtype=torch.int64)
-    dec_max = int(dec_lens.max()) if decodes else 0
     return AttentionMetadata(
         num_reqs=num_reqs,
         num_actual_tokens=qsl[-1],
@@ -159,10 +174,7 @@ def make_attention_metadata(
         seq_lens_list=list(seq_lens),
         block_table=block_table,
         slot_mapping=slot_mapping.long(),
-        decode_tokens=_token_selector([qsl[r] for r in decodes]),
-        decode_seq_lens=dec_lens,
-        decode_slots=_decode_slots(block_table, decodes, dec_lens, dec_max, block_size),
-        decode_max_len=dec_max,
+        decode_groups=_decode_groups(block_table, query_lens, seq_lens, qsl, block_size),
         prefills=_prefill_chunks(block_table, query_lens, seq_lens, qsl, block_size),
     )
 
@@ -174,15 +186,30 @@ def _token_selector(tokens: list[int]) -> slice | torch.Tensor:
     return torch.tensor(tokens, dtype=torch.int64)
 
 
-def _decode_slots(
-    block_table: torch.Tensor, decodes: list[int], lens: torch.Tensor, max_len: int, block_size: int
-) -> torch.Tensor:
-    if not decodes:
-        return torch.empty(0, 0, dtype=torch.int64)
-    rows = block_table[torch.tensor(decodes)]
-    pos = torch.arange(max_len).expand(len(decodes), max_len)
+def _decode_groups(
+    block_table: torch.Tensor, query_lens: list[int], seq_lens: list[int], qsl: list[int], block_size: int
+) -> list[DecodeGroup]:
+    """Decodes by descending length, cut where a length drops below the fill fraction."""
+    decodes = sorted((r for r in range(len(query_lens)) if query_lens[r] == 1), key=lambda r: -seq_lens[r])
+    groups: list[list[int]] = []
+    for r in decodes:
+        if not groups or seq_lens[r] < DECODE_GROUP_MIN_FILL * seq_lens[groups[-1][0]]:
+            groups.append([])
+        groups[-1].append(r)
+    # Back in step order inside a group: consecutive decodes then select their tokens by a slice.
+    return [_decode_group(block_table, sorted(g), seq_lens, qsl, block_size) for g in groups]
+
+
+def _decode_group(
+    block_table: torch.Tensor, reqs: list[int], seq_lens: list[int], qsl: list[int], block_size: int
+) -> DecodeGroup:
+    lens = torch.tensor([seq_lens[r] for r in reqs], dtype=torch.int64)
+    max_len = int(lens.max())
+    rows = block_table[torch.tensor(reqs)]
+    pos = torch.arange(max_len).expand(len(reqs), max_len)
     slots = _slots(rows, pos.clamp(max=rows.shape[1] * block_size - 1), block_size)
-    return slots.masked_fill(pos >= lens[:, None], 0)
+    slots = slots.masked_fill(pos >= lens[:, None], 0)
+    return DecodeGroup(_token_selector([qsl[r] for r in reqs]), lens, slots, max_len)
 
 
 def _prefill_chunks(
@@ -275,9 +302,10 @@ class Attention(nn.Module):
         flat, rows_per_block = flat_cache_view(kv_cache)
         flat.index_copy_(0, meta.write_rows(rows_per_block), torch.cat((k, v)).to(flat.dtype))
         out = torch.empty_like(q)
-        if meta.num_decodes:
-            out[meta.decode_tokens] = self._decode(
-                q[meta.decode_tokens], flat, meta.decode_rows(rows_per_block), meta
+        for i, group in enumerate(meta.decode_groups):
+            rows = meta.decode_rows(i, rows_per_block)
+            out[group.tokens] = self._decode(
+                q[group.tokens], flat, rows, meta.decode_mask(i, self.sliding_window)
             )
         for i, chunk in enumerate(meta.prefills):
             rows = None if chunk.slots is None else meta.prefill_rows(i, rows_per_block)
@@ -285,16 +313,20 @@ class Attention(nn.Module):
         return out.view(q.shape[0], -1)
 
     def _decode(
-        self, q: torch.Tensor, flat: torch.Tensor, rows: torch.Tensor, meta: AttentionMetadata
+        self, q: torch.Tensor, flat: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor
     ) -> torch.Tensor:
-        """All decodes at once: gather their padded K/V, then one masked SDPA."""
-        n, length = meta.num_decodes, meta.decode_max_len
+        """A group of decodes at once: gather their padded K/V, then one masked SDPA."""
+        n, length = mask.shape[0], mask.shape[-1]
         kv = flat.index_select(0, rows).view(2, n, length, self.num_kv_heads, self.head_size)
         k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
         group = self.num_heads // self.num_kv_heads
-        q = q.view(n, self.num_kv_heads, group, self.head_size).to(k.dtype)
-        mask = meta.decode_mask(self.sliding_window)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale)
+        o = F.scaled_dot_product_attention(
+            q.view(n, self.num_kv_heads, group, self.head_size).to(k.dtype),
+            k,
+            v,
+            attn_mask=mask,
+            scale=self.scale,
+        )
         return o.reshape(n, self.num_heads, self.head_size).to(q.dtype)
 
     def _prefill(

@@ -1,0 +1,91 @@
+"""Paged attention vs a dense float64 reference: mixed decodes and chunks, windows, padded pages."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenos.layers.attention import Attention, allocate_kv_cache, build_attention_metadata
+
+H, KVH, D = 4, 2, 8
+
+
+def reference(q, k, v, q_pos, window):
+    """q [n, H, D] at positions q_pos; k/v [L, KVH, D] for positions 0..L-1."""
+    k = k.double().repeat_interleave(H // KVH, dim=1)
+    v = v.double().repeat_interleave(H // KVH, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * D**-0.5
+    k_pos = torch.arange(k.shape[0])[None, :]
+    allowed = k_pos <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos > q_pos[:, None] - window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def run_steps(attn, cache, block_size, steps, history, rng):
+    """Run each step ({req: num_new}); return per-step outputs and the full per-request K/V/q."""
+    blocks: dict[int, list[int]] = {}
+    free = list(range(1, cache.shape[0]))
+    rng.shuffle(free)
+    outputs = []
+    for step in steps:
+        reqs = list(step)
+        for r in reqs:
+            need = -(-(len(history[r]["k"]) + step[r]) // block_size)
+            blocks.setdefault(r, [])
+            while len(blocks[r]) < need:
+                blocks[r].append(free.pop())
+        computed = [len(history[r]["k"]) for r in reqs]
+        meta = build_attention_metadata(
+            [blocks[r] for r in reqs], computed, [step[r] for r in reqs], block_size
+        )
+        q, k, v = (torch.randn(meta.num_actual_tokens, n, D) for n in (H, KVH, KVH))
+        out = attn(q, k, v, cache, meta).view(-1, H, D)
+        for i, r in enumerate(reqs):
+            s, e = meta.query_start_loc[i].item(), meta.query_start_loc[i + 1].item()
+            for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
+                history[r][name] = torch.cat((history[r].get(name, torch.empty(0, t.shape[1], D)), t[s:e]))
+        outputs.append(meta)
+    return outputs
+
+
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("padded_pages", [False, True])
+def test_paged_attention_matches_dense(window, padded_pages):
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    block_size, num_blocks = 4, 80
+    cache = allocate_kv_cache(num_blocks, block_size, KVH, D, torch.float32)
+    if padded_pages:  # hybrid-style pages: each block followed by unused rows
+        pages = torch.zeros(num_blocks, 2 * block_size + 3, KVH, D)
+        cache = pages[:, : 2 * block_size].view(num_blocks, 2, block_size, KVH, D)
+    attn = Attention(H, KVH, D, D**-0.5, sliding_window=window)
+    history = {r: {"k": torch.empty(0, KVH, D)} for r in range(5)}
+    steps = [
+        {0: 3, 1: 17, 2: 1, 3: 30, 4: 9},  # fresh prefills, one single-token prompt
+        {1: 1, 0: 5, 3: 1, 2: 1, 4: 1},  # decodes of very different lengths + a chunk after a prefix
+        {4: 7, 3: 1, 0: 1, 1: 2, 2: 1},
+        {2: 1, 3: 1, 1: 1, 4: 1, 0: 1},
+    ]
+    metas = run_steps(attn, cache, block_size, steps, history, rng)
+    assert len(metas[3].decode_groups) > 1  # lengths 4..33 split into several decode groups
+    for h in history.values():
+        positions = torch.arange(len(h["k"]))
+        expected = reference(h["q"], h["k"], h["v"], positions, window)
+        torch.testing.assert_close(h["out"].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_build_attention_metadata_slots_and_lengths():
+    meta = build_attention_metadata([[5, 2], [7], [3, 9, 4]], [6, 0, 9], [1, 3, 2], block_size=4)
+    assert meta.query_start_loc.tolist() == [0, 1, 4, 6]
+    assert meta.seq_lens.tolist() == [7, 3, 11] and meta.seq_lens_list == [7, 3, 11]
+    assert meta.query_lens_list == [1, 3, 2] and meta.num_actual_tokens == 6
+    # req0 pos 6 -> block 2 offset 2; req1 pos 0..2 -> block 7; req2 pos 9,10 -> block 4 offsets 1,2
+    assert meta.slot_mapping.tolist() == [10, 28, 29, 30, 17, 18]
+    assert meta.block_table.dtype == torch.int32 and meta.block_table.tolist()[1] == [7, 0, 0]
+    assert [p.req_index for p in meta.prefills] == [1, 2] and meta.prefills[0].slots is None
+    with pytest.raises(ValueError, match="cannot hold"):
+        build_attention_metadata([[1]], [4], [1], block_size=4)
