@@ -155,22 +155,25 @@ def test_rejected_request_fails_alone(client_factory):
 
 def test_abort_ends_the_stream_and_frees_the_core(client_factory):
     client = client_factory(step_delay_s=0.01)
+    pushed_stats: list[dict] = []
+    client.stats_handler = pushed_stats.append
 
     async def main():
         stream = await client.add_request_async(request("long", [1], 100_000))
         first = await stream.__anext__()
         await client.abort_requests_async(["long"])
         rest = await collect(stream)
-        for _ in range(100):  # the abort is asynchronous: wait until the core has dropped it
-            stats = await client.call_utility_async("get_stats")
-            if stats["num_running"] == 0:
+        for _ in range(200):  # the abort is asynchronous: wait until the core reports it went idle
+            if pushed_stats[-1]["num_running"] == 0:
                 break
             await asyncio.sleep(0.02)
-        return first, rest, stats
+        return first, rest, await client.call_utility_async("get_stats")
 
     first, rest, stats = asyncio.run(main())
     assert first.new_token_ids == [1]
     assert rest[-1].finish_reason == FinishReason.ABORT
+    # Going idle is reported without any further step, so the frontend's gauges drop to zero.
+    assert pushed_stats[-1]["num_running"] == 0
     assert stats["num_running"] == 0
 
 

@@ -76,6 +76,7 @@ class EngineCoreLike(Protocol):
     def abort_requests(self, request_ids: list[str]) -> None: ...
     def step(self) -> EngineCoreOutputs: ...
     def has_unfinished_requests(self) -> bool: ...
+    def get_stats(self) -> dict: ...
     def get_model_info(self) -> dict: ...
 
 
@@ -187,13 +188,19 @@ class EngineCoreProc:
         self._last_send = time.monotonic()
 
     def run_busy_loop(self) -> None:
+        busy = False
         try:
             while True:
-                self._process_input(block=not self.core.has_unfinished_requests())
-                if self.core.has_unfinished_requests():
+                self._process_input(block=not busy)
+                was_busy, busy = busy, self.core.has_unfinished_requests()
+                if busy:
                     outputs = self.core.step()
                     if outputs.outputs or outputs.stats:
                         self._send(OUTPUTS, outputs)
+                elif was_busy:
+                    # Gone idle (e.g. the last request was aborted): no step will report that, so send
+                    # the stats now, or the frontend's gauges would show the last busy step forever.
+                    self._send(OUTPUTS, EngineCoreOutputs(timestamp=time.time(), stats=self.core.get_stats()))
                 self._maybe_heartbeat()
         except _Shutdown:
             raise

@@ -1,0 +1,282 @@
+"""The real server end to end: `python -m tokenos.entrypoints.openai.api_server` on a loopback port,
+a tiny random-weight Llama (SmolLM2's tokenizer, so the vocabulary is 49,152), the engine core in
+its own process, and clients that are the official `openai` package and raw httpx.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytest.importorskip("tokenos.engine.async_llm")
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+API_KEY = "test-key"
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tokenos.engine.tokenizer import load_tokenizer
+
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    load_tokenizer(None).hf.save_pretrained(path)
+    return path
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server subprocess; `stop()` always ends it (SIGTERM, then SIGKILL)."""
+
+    def __init__(self, model: str, *extra: str, max_model_len: int = MAX_MODEL_LEN) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "tokenos.entrypoints.openai.api_server",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--max-model-len",
+            str(max_model_len),
+            "--num-kv-blocks",
+            str(max_model_len // 16 + 16),
+            "--dtype",
+            "float32",
+            "--served-model-name",
+            "tiny",
+            *extra,
+        ]
+        env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+    def wait_ready(self, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.proc.stdout.read()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("server did not become healthy")
+
+    def engine_core_pid(self) -> int:
+        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
+            children = [int(p) for p in f.read().split()]
+        for pid in children:
+            with open(f"/proc/{pid}/cmdline") as f:
+                if "spawn_main" in f.read():  # not the resource tracker, also a child
+                    return pid
+        raise LookupError(f"no engine-core child among {children}")
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.stdout.read()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama):
+    server = Server(tiny_llama, "--api-key", API_KEY)
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def headers() -> dict[str, str]:
+    return {"Authorization": f"Bearer {API_KEY}"}
+
+
+def test_models_and_probes(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server.url}/version").json()["version"]
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
+    assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == MAX_MODEL_LEN
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert "Hello world" in text
+
+
+def test_greedy_completion_is_deterministic(client):
+    kwargs = dict(
+        model="tiny",
+        prompt="The capital of France is",
+        max_tokens=8,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    first = client.completions.create(**kwargs)
+    second = client.completions.create(**kwargs)
+    assert first.choices[0].text == second.choices[0].text
+    assert first.choices[0].finish_reason == "length"
+    assert first.usage.completion_tokens == 8 and first.usage.prompt_tokens > 0
+
+
+def test_token_id_prompts_n_and_logprobs(client):
+    out = client.completions.create(
+        model="tiny",
+        prompt=[[100, 200, 300], [400, 500]],
+        max_tokens=4,
+        n=2,
+        temperature=1.0,
+        seed=7,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    for choice in out.choices:
+        assert len(choice.logprobs.tokens) == 4 and len(choice.logprobs.top_logprobs[0]) >= 2
+        assert all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    assert out.usage.prompt_tokens == 5 and out.usage.completion_tokens == 16
+
+
+def test_chat_stream_with_usage(client):
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_completion_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    content = [c for c in chunks if c.choices]
+    assert content[0].choices[0].delta.role == "assistant"
+    assert content[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 6
+    full = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Say hi"}],
+        max_completion_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert full.choices[0].message.content == "".join(c.choices[0].delta.content or "" for c in content)
+
+
+def test_bad_requests(server, client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt=[100] * MAX_MODEL_LEN, max_tokens=1)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny", prompt="hi", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+    r = httpx.post(f"{server.url}/v1/completions", content=b"{not json", headers=headers())
+    assert r.status_code == 400 and r.json()["error"]["message"]
+    assert (
+        client.completions.create(model="tiny", prompt="still serving", max_tokens=1).usage.completion_tokens
+        == 1
+    )
+
+
+def test_disconnect_aborts_the_request_in_the_engine(server, client):
+    body = {"model": "tiny", "prompt": "count", "max_tokens": 200, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers(), timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break
+    # The engine core reports it went idle long before 200 tokens could have been generated.
+    deadline = time.monotonic() + 30
+    running = None
+    while time.monotonic() < deadline:
+        running = _metric(httpx.get(f"{server.url}/metrics").text, "tokenos:num_requests_running")
+        if running == 0:
+            break
+        time.sleep(0.1)
+    assert running == 0
+    assert client.completions.create(model="tiny", prompt="after", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_metrics(server):
+    text = httpx.get(f"{server.url}/metrics").text
+    assert _metric(text, "tokenos:generation_tokens_total") > 0
+    assert _metric(text, 'tokenos:request_success_total{finished_reason="length"') > 0
+    assert _metric(text, "tokenos:time_to_first_token_seconds_count") > 0
+    assert _metric(text, "tokenos:prefix_cache_queries_total") > 0
+
+
+def _metric(text: str, prefix: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_engine_death_fails_requests_and_exits_nonzero(tiny_llama):
+    server = Server(tiny_llama, max_model_len=8192)  # room for a request that outlives the kill
+    try:
+        server.wait_ready()
+        body = {
+            "model": "tiny",
+            "prompt": "long",
+            "max_tokens": 8000,
+            "stream": True,
+            "ignore_eos": True,
+        }
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            os.kill(server.engine_core_pid(), signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        events = [json.loads(line[6:]) for line in rest if line != "data: [DONE]"]
+        assert any("error" in e for e in events), rest[-3:]
+        assert server.proc.wait(timeout=30) == 1
+    finally:
+        log = server.stop()
+    assert "engine" in log and "died" in log
