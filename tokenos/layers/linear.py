@@ -45,6 +45,11 @@ class MergedLinear(Linear):
         self.output_sizes = output_sizes
         for p in self.parameters():
             p.weight_loader = self.weight_loader
+            p.shard_ids = self.shard_ids()
+
+    def shard_ids(self) -> tuple[int | str, ...]:
+        """The shard ids a complete checkpoint provides for this module's parameters."""
+        return tuple(range(len(self.output_sizes)))
 
     def shard_offset(self, shard_id: int | str) -> tuple[int, int]:
         index = int(shard_id)
@@ -63,6 +68,9 @@ class QKVLinear(MergedLinear):
         self.q_size = num_heads * head_dim
         self.kv_size = num_kv_heads * head_dim
         super().__init__(hidden_size, [self.q_size, self.kv_size, self.kv_size], bias)
+
+    def shard_ids(self) -> tuple[int | str, ...]:
+        return ("q", "k", "v")
 
     def shard_offset(self, shard_id: int | str) -> tuple[int, int]:
         return super().shard_offset({"q": 0, "k": 1, "v": 2}[shard_id])

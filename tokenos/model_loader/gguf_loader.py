@@ -61,6 +61,8 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     hidden = _field(reader, f"{arch}.embedding_length")
     heads = _field(reader, f"{arch}.attention.head_count")
     names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ValueError(f"{path}: GGUF rope_freqs (Llama 3.1-style rope scaling) is not supported yet")
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     return {
         "architecture": GGUF_ARCHITECTURES[arch],

@@ -2,8 +2,9 @@
 
 Each parameter carries a ``weight_loader(param, tensor[, shard_id])``; fused modules
 (qkv_proj, gate_up_proj) are reached through the model's ``packed_modules_mapping``
-(``"q_proj": ("qkv_proj", "q")``). We raise if a parameter is never touched, so a naming
-mismatch never leaves uninitialised weights behind.
+(``"q_proj": ("qkv_proj", "q")``). We raise if a parameter (or one shard of a fused one,
+listed in its ``shard_ids``) is never loaded, so a naming mismatch never leaves
+uninitialised weights behind.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def load_weights(model: nn.Module, config: ModelConfig, weights: Iterable | None
     """Load ``weights`` (default: the checkpoint of ``config``) into ``model``."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
-    loaded: set[str] = set()
+    loaded: dict[str, set] = {name: set() for name in params}
     with torch.no_grad():
         for name, tensor in weights if weights is not None else iter_checkpoint_weights(config):
             if name.endswith(_IGNORED_SUFFIXES) or (
@@ -56,8 +57,8 @@ def load_weights(model: nn.Module, config: ModelConfig, weights: Iterable | None
             param = params[target]
             loader = getattr(param, "weight_loader", default_weight_loader)
             loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
-            loaded.add(target)
-    missing = sorted(set(params) - loaded)
+            loaded[target].add(shard_id)
+    missing = sorted(n for n, p in params.items() if loaded[n] != set(getattr(p, "shard_ids", (None,))))
     if missing:
         raise ValueError(f"Checkpoint {config.model_path} lacks weights for: {', '.join(missing[:8])}")
 

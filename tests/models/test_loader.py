@@ -1,0 +1,85 @@
+"""Config resolution and weight loading: formats, sharding, errors a user can cause."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from tokenos.model_loader.gguf_loader import hf_name, unpermute_qk
+from tokenos.models import build_model, load_model_config
+
+
+def test_sharded_checkpoint_loads_like_single(make_checkpoint, tmp_path, parity):
+    folder, reference = make_checkpoint("qwen2")
+    sharded = str(tmp_path / "sharded")
+    reference.save_pretrained(sharded, max_shard_size="40KB")
+    with open(f"{sharded}/model.safetensors.index.json") as f:
+        assert len(set(json.load(f)["weight_map"].values())) > 1
+    config = load_model_config(sharded, dtype="float32")
+    model = build_model(config)
+    runner = parity.runner(model, config, block_size=16)
+    prompt = list(range(3, 30))
+    runner.step([(0, prompt)])
+    parity.assert_close(runner.request_logits(0), parity.logits(reference, prompt))
+
+
+def test_config_fields(make_checkpoint):
+    folder, _ = make_checkpoint("mistral", sliding_window=8, eos_token_id=[2, 5])
+    config = load_model_config(folder, max_model_len=100)
+    assert config.architecture == "MistralForCausalLM" and config.max_model_len == 100
+    assert config.layer_sliding_windows == (8, 8) and config.eos_token_ids == (2, 5)
+    assert (config.num_key_value_heads, config.head_dim, config.dtype) == (2, 16, torch.float32)
+    with pytest.raises(ValueError, match="max_model_len"):
+        load_model_config(folder, max_model_len=10**6)
+    with pytest.raises(ValueError, match="dtype"):
+        load_model_config(folder, dtype="int8")
+
+
+def test_legacy_rope_keys(make_checkpoint):
+    folder, _ = make_checkpoint("llama")
+    with open(f"{folder}/config.json") as f:
+        raw = json.load(f)
+    raw.pop("rope_parameters")
+    raw["rope_theta"] = 5000.0
+    raw["rope_scaling"] = {"type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 32}  # fmt: skip
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(raw, f)
+    config = load_model_config(folder)
+    assert config.rope_theta == 5000.0 and config.rope_scaling["rope_type"] == "llama3"
+
+
+def test_unsupported_architecture_lists_supported(make_checkpoint):
+    folder, _ = make_checkpoint("llama")
+    with open(f"{folder}/config.json") as f:
+        raw = json.load(f)
+    raw["architectures"] = ["GPT2LMHeadModel"]
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):
+        load_model_config(folder)
+
+
+def test_missing_weight_is_an_error(make_checkpoint, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = make_checkpoint("llama")
+    tensors = load_file(f"{folder}/model.safetensors")
+    tensors.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(tensors, f"{folder}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="gate_up_proj|lacks"):
+        build_model(load_model_config(folder))
+
+
+def test_gguf_names_and_unpermute():
+    assert hf_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
+    assert hf_name("blk.0.ffn_gate.weight") == "model.layers.0.mlp.gate_proj.weight"
+    assert hf_name("output_norm.weight") == "model.norm.weight" and hf_name("rope_freqs.weight") is None
+    n_head, rows, cols = 3, 3 * 8, 5
+    w = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols)
+    # llama.cpp's convert_hf_to_gguf permute, which the loader must undo
+    permuted = w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+    np.testing.assert_array_equal(unpermute_qk(permuted, n_head), w)
