@@ -127,6 +127,8 @@ def run_engine_core(
     heartbeat_interval_s: float = 1.0,
 ) -> None:
     """Child-process entry point: build the core, hand-shake, run the busy loop until told to stop."""
+    if not logging.getLogger().handlers:  # a spawned child starts with no logging set up
+        logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     signal.signal(signal.SIGTERM, _raise_shutdown)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the frontend, which shuts us down
     _exit_when_parent_dies()
