@@ -50,6 +50,7 @@ class FakeEngine:
         self.model_info = {"kv_pool_tokens": 1024}
         self.step_delay_s = step_delay_s
         self.dead_error: EngineDeadError | None = None
+        self.generate_error: Exception | None = None  # raised by generate, to test error paths
         self.calls: list[dict] = []  # every generate call's arguments
         self.aborted: list[str] = []
         self.cancelled: list[str] = []
@@ -77,6 +78,8 @@ class FakeEngine:
         )
         if self.dead_error is not None:
             raise self.dead_error
+        if self.generate_error is not None:
+            raise self.generate_error
         ids = prompt["prompt_token_ids"]
         params = sampling_params
         samples = [SimpleNamespace(index=j, tokens=[]) for j in range(params.n)]

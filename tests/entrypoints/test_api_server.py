@@ -170,6 +170,28 @@ def test_dead_engine_gives_503(make_client, fake_engine):
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
 
 
+def test_engine_errors_become_openai_errors(make_client, fake_engine):
+    client = make_client(fake_engine)
+    fake_engine.generate_error = ValueError("Token id 5 is not allowed here.")
+    r = client.post("/v1/completions", json={"prompt": "hi"})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "Token id 5 is not allowed here."
+    fake_engine.generate_error = RuntimeError("kaboom")
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 500 and "kaboom" in r.json()["error"]["message"]
+    # Streaming has already sent 200: the error is an event, then [DONE].
+    events = sse_events(client.post("/v1/completions", json={"prompt": "hi", "stream": True}).text)
+    assert events == [
+        {
+            "error": {
+                "message": "Internal error: RuntimeError: kaboom",
+                "type": "server_error",
+                "param": None,
+                "code": None,
+            }
+        }
+    ]
+
+
 def test_openai_client_against_a_live_server(live_server, fake_engine):
     url = live_server(fake_engine, api_key="k")
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="k", max_retries=0)

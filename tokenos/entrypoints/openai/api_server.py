@@ -156,6 +156,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(OpenAIError(str(exc.detail), status=exc.status_code))
 
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error serving %s", request.url.path)
+        return error_response(OpenAIError(f"Internal error: {type(exc).__name__}: {exc}", status=500))
+
 
 def _add_api_key_check(app: FastAPI, api_key: str | None) -> None:
     if not api_key:

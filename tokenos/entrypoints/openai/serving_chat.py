@@ -94,6 +94,8 @@ class OpenAIServingChat(OpenAIServing):
             raise engine_error(e) from e
         finally:
             await self.abort_unfinished([run.id], {run.id} if final is not None and final.finished else set())
+        if final is None:
+            raise OpenAIError("The engine ended the request without an output.", status=500)
         choices = []
         for sample in sorted(final.outputs, key=lambda s: s.index):
             choices.append(

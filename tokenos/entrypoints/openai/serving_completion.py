@@ -17,6 +17,7 @@ from tokenos.entrypoints.openai.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    OpenAIError,
     random_id,
 )
 from tokenos.entrypoints.openai.serving_engine import (
@@ -78,6 +79,8 @@ class OpenAIServingCompletion(OpenAIServing):
             raise engine_error(e) from e
         finally:
             await self.abort_unfinished(run.request_ids, run.finished)
+        if len(finals) < len(generators):
+            raise OpenAIError("The engine ended a request without an output.", status=500)
         choices = []
         for i, out in sorted(finals.items()):
             for sample in out.outputs:
