@@ -15,7 +15,7 @@ from tokenos.models import build_model, load_model_config
 def test_sharded_checkpoint_loads_like_single(make_checkpoint, tmp_path, parity):
     folder, reference = make_checkpoint("qwen2")
     sharded = str(tmp_path / "sharded")
-    reference.save_pretrained(sharded, max_shard_size="40KB")
+    reference.save_pretrained(sharded, max_shard_size="200KB")
     with open(f"{sharded}/model.safetensors.index.json") as f:
         assert len(set(json.load(f)["weight_map"].values())) > 1
     config = load_model_config(sharded, dtype="float32")
@@ -83,3 +83,38 @@ def test_gguf_names_and_unpermute():
     # llama.cpp's convert_hf_to_gguf permute, which the loader must undo
     permuted = w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
     np.testing.assert_array_equal(unpermute_qk(permuted, n_head), w)
+
+
+def test_gguf_file_matches_gguf_reader(tmp_path):
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from tokenos.model_loader.gguf_file import GGUFFile
+
+    path = str(tmp_path / "tiny.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(2)
+    writer.add_float32("llama.rope.freq_base", 5e5)
+    writer.add_token_list(["<s>", "a", "bc"] * 50)
+    writer.add_array("tokenizer.ggml.token_type", [1, 2, 3])
+    rng = np.random.default_rng(0)
+    dense = rng.standard_normal((6, 64)).astype(np.float32)
+    writer.add_tensor("blk.0.attn_norm.weight", dense[0])
+    writer.add_tensor("blk.0.attn_q.weight", quantize(dense, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    ours, reference = GGUFFile(path), gguf.GGUFReader(path)
+    assert ours.fields["llama.block_count"] == 2 and ours.fields["general.architecture"] == "llama"
+    assert (
+        ours.fields["llama.rope.freq_base"] == pytest.approx(5e5)
+        and ours.fields["tokenizer.ggml.tokens"] is None
+    )
+    for mine, theirs in zip(ours.tensors, reference.tensors, strict=True):
+        assert mine.name == theirs.name
+        expected = dequantize(theirs.data, theirs.tensor_type).reshape(mine.shape)
+        np.testing.assert_array_equal(ours.dequantize(mine), expected)
+    np.testing.assert_allclose(ours.dequantize(ours.tensors[1]), dense, atol=0.05)

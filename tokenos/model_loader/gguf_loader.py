@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenos.model_loader.gguf_file import GGUFFile
+
 # GGUF tensor name (without blk.N. prefix and .weight/.bias suffix) -> HF module path.
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -36,16 +38,14 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
 @functools.lru_cache(maxsize=2)
-def open_gguf(path: str):
-    """One parsed reader per file: parsing the tokenizer arrays takes seconds, so do it once."""
-    import gguf
-
-    return gguf.GGUFReader(path)
+def open_gguf(path: str) -> GGUFFile:
+    """One parsed file per path, shared by config resolution and weight loading."""
+    return GGUFFile(path)
 
 
-def _field(reader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
+def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
+    value = reader.fields.get(key)
+    return default if value is None else value
 
 
 def read_gguf_config(path: str) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def read_gguf_config(path: str) -> dict[str, Any]:
         "num_attention_heads": heads,
         "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
         "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
-        "vocab_size": _field(reader, f"{arch}.vocab_size", int(embd.shape[-1])),
+        "vocab_size": _field(reader, f"{arch}.vocab_size", embd.shape[0]),
         "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
         "rope_scaling": None,
@@ -111,15 +111,13 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
 
 def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, float32 tensor) for every tensor, dequantized and un-permuted."""
-    from gguf.quants import dequantize
-
     reader = open_gguf(path)
     permuted = _field(reader, "general.architecture") == "llama"
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue  # e.g. rope_freqs: not a module weight
-        array = dequantize(tensor.data, tensor.tensor_type)
+        array = reader.dequantize(tensor)
         if permuted and name.endswith("q_proj.weight"):
             array = unpermute_qk(array, num_heads)
         elif permuted and name.endswith("k_proj.weight"):
