@@ -44,7 +44,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q [T, H, D] and k [T, KVH, D] at the given positions [T]."""
+    """RoPE for q [T, H, D] and k [T, KVH, D]; ``cos_sin(positions)`` once per step, then
+    ``forward(cos_sin, q, k)`` in every layer."""
 
     def __init__(
         self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
@@ -56,11 +57,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D / 2] at ``positions`` [T], in ``dtype``."""
+        return self.cos_cache[positions].unsqueeze(1).to(dtype), self.sin_cache[positions].unsqueeze(1).to(
+            dtype
+        )
+
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -19,6 +19,8 @@ from tokenos.layers.linear import Linear, MergedLinear, QKVLinear
 from tokenos.layers.rotary import RotaryEmbedding
 from tokenos.models.config import ModelConfig
 
+Rope = tuple[torch.Tensor, torch.Tensor]  # this step's (cos, sin), shared by all layers
+
 
 class DecoderAttention(nn.Module):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None) -> None:
@@ -38,7 +40,7 @@ class DecoderAttention(nn.Module):
         )
 
     def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+        self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
@@ -48,7 +50,7 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(rope, q, k)
         return self.o_proj(self.attn(q, k, v, kv_cache, meta))
 
 
@@ -74,7 +76,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        positions: torch.Tensor,
+        rope: Rope,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
@@ -84,7 +86,7 @@ class DecoderLayer(nn.Module):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+        x = self.self_attn(rope, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -111,8 +113,9 @@ class DecoderModel(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.cos_sin(positions, x.dtype)  # gathered once, used by every layer
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+            x, residual = layer(rope, x, residual, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
 
