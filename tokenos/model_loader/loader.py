@@ -56,7 +56,10 @@ def load_weights(model: nn.Module, config: ModelConfig, weights: Iterable | None
                 )
             param = params[target]
             loader = getattr(param, "weight_loader", default_weight_loader)
-            loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
+            try:
+                loader(param, tensor) if shard_id is None else loader(param, tensor, shard_id)
+            except ValueError as e:
+                raise ValueError(f"Checkpoint tensor {name!r}: {e}") from e
             loaded[target].add(shard_id)
     missing = sorted(n for n, p in params.items() if loaded[n] != set(getattr(p, "shard_ids", (None,))))
     if missing:
