@@ -52,9 +52,23 @@ def run_steps(attn, cache, block_size, steps, history, rng):
     return outputs
 
 
+@pytest.fixture(params=["c-kernel", "torch"])
+def decode_path(request, monkeypatch):
+    """Run each test through the C decode kernel and through the pure-torch fallback."""
+    import tokenos.layers.attention as attention
+    from tokenos.layers import cpu_kernels
+
+    if request.param == "c-kernel":
+        if cpu_kernels.load() is None:
+            pytest.skip("no C compiler: the C decode kernel could not be built")
+    else:
+        monkeypatch.setattr(attention, "_use_c_kernel", lambda kv_cache: False)
+    return request.param
+
+
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("padded_pages", [False, True])
-def test_paged_attention_matches_dense(window, padded_pages):
+def test_paged_attention_matches_dense(window, padded_pages, decode_path):
     torch.manual_seed(0)
     rng = random.Random(0)
     block_size, num_blocks = 4, 80
@@ -71,7 +85,7 @@ def test_paged_attention_matches_dense(window, padded_pages):
         {2: 1, 3: 1, 1: 1, 4: 1, 0: 1},
     ]
     metas = run_steps(attn, cache, block_size, steps, history, rng)
-    assert len(metas[3].decode_groups) > 1  # lengths 4..33 split into several decode groups
+    assert len(metas[3].decode_groups) > 1  # lengths 4..33 split into several decode groups (torch path)
     for h in history.values():
         positions = torch.arange(len(h["k"]))
         expected = reference(h["q"], h["k"], h["v"], positions, window)
@@ -89,3 +103,26 @@ def test_build_attention_metadata_slots_and_lengths():
     assert [p.req_index for p in meta.prefills] == [1, 2] and meta.prefills[0].slots is None
     with pytest.raises(ValueError, match="cannot hold"):
         build_attention_metadata([[1]], [4], [1], block_size=4)
+
+
+def test_c_kernel_matches_torch_path_in_bfloat16(monkeypatch):
+    """The C kernel reads bf16 pages itself; it must agree with the torch gather + SDPA path."""
+    import tokenos.layers.attention as attention
+    from tokenos.layers import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler: the C decode kernel could not be built")
+    torch.manual_seed(1)
+    block_size = 16
+    cache = torch.randn(40, 2, block_size, KVH, D).to(torch.bfloat16)
+    lens = [1, 17, 64, 100]
+    tables = [list(range(1 + 7 * i, 1 + 7 * i + -(-n // block_size))) for i, n in enumerate(lens)]
+    meta = build_attention_metadata(tables, [n - 1 for n in lens], [1] * len(lens), block_size)
+    q = torch.randn(len(lens), H, D).to(torch.bfloat16)
+    k, v = (torch.randn(len(lens), KVH, D).to(torch.bfloat16) for _ in range(2))
+    attn = Attention(H, KVH, D, D**-0.5, sliding_window=40)
+    fast = attn(q, k, v, cache.clone(), meta).float()
+    monkeypatch.setattr(attention, "_use_c_kernel", lambda kv_cache: False)
+    fresh_meta = build_attention_metadata(tables, [n - 1 for n in lens], [1] * len(lens), block_size)
+    slow = attn(q, k, v, cache.clone(), fresh_meta)
+    torch.testing.assert_close(fast, slow.float(), atol=2e-2, rtol=2e-2)

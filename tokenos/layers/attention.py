@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenos.layers import cpu_kernels
+
 
 @dataclass
 class PrefillChunk:
@@ -80,6 +82,22 @@ class AttentionMetadata:
     @property
     def num_decodes(self) -> int:
         return sum(g.size for g in self.decode_groups)
+
+    def decode_batch(self) -> tuple[torch.Tensor | slice, torch.Tensor, torch.Tensor] | None:
+        """All decodes at once for the C kernel: (token selector, block-table rows, seq lens)."""
+        if "decode_batch" not in self._cache:
+            reqs = [r for r, n in enumerate(self.query_lens_list) if n == 1]
+            if not reqs:
+                self._cache["decode_batch"] = None
+            else:
+                qsl = self.query_start_loc.tolist()
+                index = torch.tensor(reqs)
+                self._cache["decode_batch"] = (
+                    _token_selector([qsl[r] for r in reqs]),
+                    self.block_table.index_select(0, index).to(torch.int32).contiguous(),
+                    self.seq_lens.index_select(0, index).to(torch.int32).contiguous(),
+                )
+        return self._cache["decode_batch"]
 
     def _rows(self, slots: torch.Tensor, rows_per_block: int) -> torch.Tensor:
         """Flat-cache rows of K for ``slots`` followed by those of V, as one index."""
@@ -272,6 +290,17 @@ def flat_cache_view(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     return flat, rows_per_block
 
 
+def _use_c_kernel(kv_cache: torch.Tensor) -> bool:
+    """The C decode kernel reads pages in place: it needs whole-row pages and a built library."""
+    if kv_cache.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    _, _, block_size, num_kv_heads, head_size = kv_cache.shape
+    row = num_kv_heads * head_size
+    if kv_cache.stride()[1:] != (block_size * row, row, head_size, 1):
+        return False
+    return cpu_kernels.load() is not None
+
+
 class Attention(nn.Module):
     """Paged multi-head attention with GQA and an optional sliding window (in tokens)."""
 
@@ -302,7 +331,14 @@ class Attention(nn.Module):
         flat, rows_per_block = flat_cache_view(kv_cache)
         flat.index_copy_(0, meta.write_rows(rows_per_block), torch.cat((k, v)).to(flat.dtype))
         out = torch.empty_like(q)
-        for i, group in enumerate(meta.decode_groups):
+        decode_batch = meta.decode_batch() if _use_c_kernel(kv_cache) else None
+        if decode_batch is not None:
+            tokens, table, lens = decode_batch
+            o = cpu_kernels.paged_decode(
+                q[tokens].float(), kv_cache, table, lens, self.scale, self.sliding_window
+            )
+            out[tokens] = o.to(q.dtype)
+        for i, group in enumerate(meta.decode_groups if decode_batch is None else ()):
             rows = meta.decode_rows(i, rows_per_block)
             out[group.tokens] = self._decode(
                 q[group.tokens], flat, rows, meta.decode_mask(i, self.sliding_window)
