@@ -64,5 +64,7 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], lis
         eos_token_id=None,
     )
     tokens = out.sequences[0, len(prompt) :].tolist()
-    logprobs = [torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)]
+    logprobs = [
+        torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)
+    ]
     return tokens, logprobs

@@ -61,7 +61,9 @@ def test_prefix_cache_hits_keep_parity(tiny_llama):
     check_parity(again, prompts, ref)
     assert all(o.num_cached_tokens >= 48 for o in again)
     metrics = llm.get_metrics()
-    assert metrics["prefix_cache_hits"] > 0 and metrics["prefix_cache_queries"] >= metrics["prefix_cache_hits"]
+    assert (
+        metrics["prefix_cache_hits"] > 0 and metrics["prefix_cache_queries"] >= metrics["prefix_cache_hits"]
+    )
 
 
 def test_preemption_keeps_parity(tiny_llama):
@@ -124,5 +126,7 @@ def test_bad_input_is_a_clear_error(tiny_llama):
     with pytest.raises(ValueError, match="Unknown LLM argument"):
         LLM(folder, not_a_flag=1)
     # the engine still serves after the bad requests
-    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 2

@@ -33,7 +33,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
     parser.add_argument("--block-size", type=int, default=EngineArgs.block_size)
     parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=EngineArgs.enable_prefix_caching
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=EngineArgs.enable_prefix_caching,
     )
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
@@ -52,7 +54,10 @@ def load_workload(args: argparse.Namespace, vocab_size: int) -> list[dict]:
     rng = random.Random(args.seed)
     hi = min(vocab_size, 49052)
     return [
-        {"prompt_token_ids": [rng.randrange(100, hi) for _ in range(args.input_len)], "max_tokens": args.output_len}
+        {
+            "prompt_token_ids": [rng.randrange(100, hi) for _ in range(args.input_len)],
+            "max_tokens": args.output_len,
+        }
         for _ in range(args.num_prompts)
     ]
 
@@ -66,7 +71,8 @@ def run(args: argparse.Namespace) -> dict:
     rows = load_workload(args, llm.model_config.vocab_size)
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in rows]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False) for r in rows
+        SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
+        for r in rows
     ]
     if not args.no_warmup:
         llm.generate(prompts[:4], params[:4], use_tqdm=False)
@@ -79,7 +85,9 @@ def run(args: argparse.Namespace) -> dict:
     metrics = llm.get_metrics()
     return {
         "engine": "tokenos",
-        "workload": args.workload.split("/")[-1] if args.workload else f"random-{args.input_len}-{args.output_len}",
+        "workload": args.workload.split("/")[-1]
+        if args.workload
+        else f"random-{args.input_len}-{args.output_len}",
         "requests": len(rows),
         "dtype": args.dtype,
         "prefix_caching": args.enable_prefix_caching,
@@ -89,7 +97,9 @@ def run(args: argparse.Namespace) -> dict:
         "output_tok_s": round(n_out / wall, 1),
         "total_tok_s": round((n_in + n_out) / wall, 1),
         "startup_s": round(startup, 1),
-        "prefix_cache_hit_rate": round(metrics["prefix_cache_hits"] / max(metrics["prefix_cache_queries"], 1), 3),
+        "prefix_cache_hit_rate": round(
+            metrics["prefix_cache_hits"] / max(metrics["prefix_cache_queries"], 1), 3
+        ),
         "num_preemptions": metrics["num_preemptions"],
     }
 

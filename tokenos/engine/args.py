@@ -25,7 +25,9 @@ def _default_kv_cache_memory_bytes() -> int:
 class EngineArgs:
     model: str | None = None  # HF folder or .gguf file; None: the embedded SmolLM2
     tokenizer: str | None = None  # defaults to the model's
-    skip_tokenizer_init: bool = False  # token-id prompts only, no text out (benchmarks, tokenizer-less checkpoints)
+    skip_tokenizer_init: bool = (
+        False  # token-id prompts only, no text out (benchmarks, tokenizer-less checkpoints)
+    )
     served_model_name: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None

@@ -43,7 +43,9 @@ class EngineCore:
             max_model_len=model_config.max_model_len,
         )
         self.model_runner.initialize_kv_cache(self.kv_cache_config)
-        self.scheduler = Scheduler(scheduler_config, cache_config, self.kv_cache_config, model_config.max_model_len)
+        self.scheduler = Scheduler(
+            scheduler_config, cache_config, self.kv_cache_config, model_config.max_model_len
+        )
         self.pending_errors: list[EngineCoreOutput] = []
         self.startup_s = time.perf_counter() - t0
         logger.info(

@@ -80,8 +80,15 @@ class OutputProcessor:
                 if params.detokenize and self.tokenizer is not None
                 else None
             )
-            samples.append(SampleState(cid, i, detok, logprobs=[] if params.logprobs is not None else None,
-                                       cumulative_logprob=0.0 if params.logprobs is not None else None))
+            samples.append(
+                SampleState(
+                    cid,
+                    i,
+                    detok,
+                    logprobs=[] if params.logprobs is not None else None,
+                    cumulative_logprob=0.0 if params.logprobs is not None else None,
+                )
+            )
         parent = ParentState(request_id, prompt, prompt_token_ids, params, samples, time.monotonic(), queue)
         self.parents[request_id] = parent
         for s in samples:
@@ -135,7 +142,9 @@ class OutputProcessor:
                     self.metrics.record_finished(parent, now)
         return list(ready.values()), to_abort
 
-    def _update_sample(self, parent: ParentState, sample: SampleState, out: EngineCoreOutput, now: float) -> bool:
+    def _update_sample(
+        self, parent: ParentState, sample: SampleState, out: EngineCoreOutput, now: float
+    ) -> bool:
         if out.num_cached_tokens:
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
         if out.prompt_logprobs is not None:

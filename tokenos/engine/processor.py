@@ -38,7 +38,9 @@ class Processor:
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("This engine was started with skip_tokenizer_init: give prompt_token_ids, not text.")
+            raise ValueError(
+                "This engine was started with skip_tokenizer_init: give prompt_token_ids, not text."
+            )
         return self.tokenizer.encode(text)
 
     def tokenize_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
@@ -69,7 +71,9 @@ class Processor:
         if params.logit_bias:
             bad = next((t for t in params.logit_bias if not 0 <= int(t) < self.vocab_size), None)
             if bad is not None:
-                raise ValueError(f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size}).")
+                raise ValueError(
+                    f"logit_bias token id {bad} is outside the vocabulary [0, {self.vocab_size})."
+                )
 
     def make_requests(
         self,

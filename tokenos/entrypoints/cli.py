@@ -10,7 +10,9 @@ import sys
 def _generate(argv: list[str]) -> int:
     from tokenos.bench.throughput import add_engine_args, engine_kwargs
 
-    parser = argparse.ArgumentParser(prog="tokenos generate", description="Answer one prompt with the chat template.")
+    parser = argparse.ArgumentParser(
+        prog="tokenos generate", description="Answer one prompt with the chat template."
+    )
     parser.add_argument("prompt")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -40,7 +42,11 @@ def _serve(argv: list[str]) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    kinds = {"throughput": "tokenos.bench.throughput", "serve": "tokenos.bench.serve", "scheduler": "tokenos.bench.scheduler"}
+    kinds = {
+        "throughput": "tokenos.bench.throughput",
+        "serve": "tokenos.bench.serve",
+        "scheduler": "tokenos.bench.scheduler",
+    }
     if not argv or argv[0] not in kinds:
         print(f"usage: tokenos bench {{{','.join(kinds)}}} [options]", file=sys.stderr)
         return 2

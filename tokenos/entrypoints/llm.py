@@ -85,7 +85,9 @@ class LLM:
                 conversation, add_generation_prompt=add_generation_prompt, chat_template=template
             )
             # the template already holds the special tokens (BOS) it needs
-            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)})
+            prompts.append(
+                {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+            )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
@@ -95,7 +97,9 @@ class LLM:
             return [sampling_params] * n
         params = list(sampling_params)
         if len(params) != n:
-            raise ValueError(f"Got {len(params)} sampling_params for {n} prompts: give one, or one per prompt.")
+            raise ValueError(
+                f"Got {len(params)} sampling_params for {n} prompts: give one, or one per prompt."
+            )
         return params
 
     def _add_request(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
@@ -106,7 +110,9 @@ class LLM:
         if self.tokenizer is None:
             params.detokenize = False
         requests = self.processor.make_requests(request_id, token_ids, params, priority=priority)
-        self.output_processor.add_request(request_id, text, token_ids, params, [r.request_id for r in requests])
+        self.output_processor.add_request(
+            request_id, text, token_ids, params, [r.request_id for r in requests]
+        )
         for req in requests:
             self.engine.add_request(req)
         self._num_requests += 1

@@ -29,7 +29,9 @@ def _page_view(buf: torch.Tensor, num_blocks: int, page_size: int, nbytes: int, 
     return buf.view(num_blocks, page_size)[:, offset : offset + nbytes]
 
 
-def attention_view(buf: torch.Tensor, num_blocks: int, page_size: int, spec: FullAttentionSpec) -> torch.Tensor:
+def attention_view(
+    buf: torch.Tensor, num_blocks: int, page_size: int, spec: FullAttentionSpec
+) -> torch.Tensor:
     dtype = torch_dtype(spec.dtype)
     shape = (2, spec.block_size, spec.num_kv_heads, spec.head_size)
     nbytes = 2 * spec.block_size * spec.num_kv_heads * spec.head_size * dtype.itemsize
