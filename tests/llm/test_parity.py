@@ -93,6 +93,8 @@ def test_n_greater_than_one_shares_prompt(tiny_llama):
         ("qwen2", {}),
         ("qwen3", {}),
         ("mistral", {"sliding_window": 24}),
+        # layer 0 full attention, layer 1 sliding: two KV-cache groups with their own block tables
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}),
         ("llama", {"tie_word_embeddings": True}),
     ],
 )

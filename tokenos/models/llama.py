@@ -109,13 +109,16 @@ class DecoderModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
+        """`meta` is one AttentionMetadata for all layers, or one per layer when the layers
+        fall into several KV-cache groups (e.g. sliding-window beside full attention)."""
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.cos_sin(positions, x.dtype)  # gathered once, used by every layer
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(rope, x, residual, kv_cache, meta)
+        metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas, strict=True):
+            x, residual = layer(rope, x, residual, kv_cache, layer_meta)
         x, _ = self.norm(x, residual)
         return x
 
@@ -143,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn_metadata: AttentionMetadata,
+        attn_metadata: AttentionMetadata | list[AttentionMetadata],
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] for a step; kv_caches[i] is attention layer i's cache."""

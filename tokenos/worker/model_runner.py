@@ -16,7 +16,7 @@ import torch
 
 from tokenos.core.kv_cache.spec import KVCacheConfig
 from tokenos.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from tokenos.layers.attention import build_attention_metadata
+from tokenos.layers.attention import AttentionMetadata, make_attention_metadata
 from tokenos.models import build_model
 from tokenos.models.config import ModelConfig
 from tokenos.sample.sampler import Sampler, compute_prompt_logprobs
@@ -56,6 +56,8 @@ class ModelRunner:
         specs = self.get_kv_cache_spec()
         self.kv_caches = allocate_kv_caches(kv_cache_config, list(specs))
         self.group_block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+        group_of = {name: g for g, grp in enumerate(kv_cache_config.kv_cache_groups) for name in grp.layer_names}
+        self.layer_group = [group_of[name] for name in specs]  # KV-cache group of each model layer
         max_blocks = [-(-self.max_model_len // bs) for bs in self.group_block_sizes]
         self.input_batch = InputBatch(
             self.max_num_seqs, self.max_model_len, max_blocks, self.model_config.vocab_size
@@ -138,11 +140,7 @@ class ModelRunner:
         positions = np.repeat(num_computed, num_sched) + offsets
         input_ids = batch.token_ids[rows, positions]
 
-        table = batch.block_tables[0]
-        block_lists = [table.table[r, : table.num_blocks[r]].tolist() for r in range(n)]
-        attn_metadata = build_attention_metadata(
-            block_lists, num_computed.tolist(), num_sched.tolist(), self.group_block_sizes[0]
-        )
+        attn_metadata = self._build_metadata(n, rows, positions, num_sched, num_computed)
         hidden = self.model(
             torch.from_numpy(input_ids), torch.from_numpy(positions), attn_metadata, self.kv_caches
         )
@@ -180,6 +178,47 @@ class ModelRunner:
             sampled_token_ids=sampled_lists,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
             prompt_logprobs=prompt_logprobs,
+        )
+
+    def _build_metadata(
+        self,
+        n: int,
+        rows: np.ndarray,
+        positions: np.ndarray,
+        num_sched: np.ndarray,
+        num_computed: np.ndarray,
+    ):
+        """One metadata object per KV-cache group, shaped the way the model takes it."""
+        per_group = [
+            self._attention_metadata(g, n, rows, positions, num_sched, num_computed)
+            for g in range(len(self.group_block_sizes))
+        ]
+        if len(per_group) == 1:
+            return per_group[0]
+        return [per_group[g] for g in self.layer_group]
+
+    def _attention_metadata(
+        self,
+        g: int,
+        n: int,
+        rows: np.ndarray,
+        positions: np.ndarray,
+        num_sched: np.ndarray,
+        num_computed: np.ndarray,
+    ) -> AttentionMetadata:
+        table = self.input_batch.block_tables[g]
+        block_size = self.group_block_sizes[g]
+        width = max(int(table.num_blocks[:n].max()), 1)
+        block_table = table.table[:n, :width]
+        slots = block_table[rows, positions // block_size].astype(np.int64) * block_size
+        slots += positions % block_size
+        seq_lens = num_computed + num_sched
+        return make_attention_metadata(
+            torch.from_numpy(block_table),
+            num_sched.tolist(),
+            seq_lens.tolist(),
+            torch.from_numpy(slots),
+            block_size,
         )
 
     def _prompt_logprobs(
