@@ -24,6 +24,10 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "MistralForCausalLM": {},
     "Qwen2ForCausalLM": {"attention_bias": True},
     "Qwen3ForCausalLM": {"qk_norm": True},
+    # Hybrid / recurrent families: their layer layout is read from hf_config by the model itself.
+    "Mamba2ForCausalLM": {},
+    "BambaForCausalLM": {},
+    "Qwen3NextForCausalLM": {},
 }
 
 # GGUF general.architecture -> HF architecture name.
@@ -168,19 +172,20 @@ def _fields_from_hf(folder: str) -> dict[str, Any]:
     architectures = cfg.get("architectures") or []
     architecture = architectures[0] if architectures else "<missing architectures>"
     flags = _check_architecture(architecture)
-    num_heads = cfg["num_attention_heads"]
+    # Pure Mamba2 configs have no attention heads or MLP: fall back to the mixer's heads and expand.
+    num_heads = cfg.get("num_attention_heads") or cfg["num_heads"]
     theta, scaling = _rope_from_hf(cfg)
     sliding_window, layer_windows = _sliding_windows_from_hf(cfg, architecture)
     return {
         "architecture": architecture,
         "hidden_size": cfg["hidden_size"],
-        "intermediate_size": cfg["intermediate_size"],
+        "intermediate_size": cfg.get("intermediate_size") or int(cfg.get("expand", 2) * cfg["hidden_size"]),
         "num_hidden_layers": cfg["num_hidden_layers"],
         "num_attention_heads": num_heads,
         "num_key_value_heads": cfg.get("num_key_value_heads") or num_heads,
         "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
         "vocab_size": cfg["vocab_size"],
-        "rms_norm_eps": cfg.get("rms_norm_eps", 1e-6),
+        "rms_norm_eps": cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-6)),
         "rope_theta": theta,
         "rope_scaling": scaling,
         "max_position_embeddings": cfg.get("max_position_embeddings", 2048),

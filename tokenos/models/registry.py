@@ -5,14 +5,21 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenos.models.bamba import BambaForCausalLM
 from tokenos.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from tokenos.models.llama import LlamaForCausalLM
+from tokenos.models.mamba2 import Mamba2ForCausalLM
+from tokenos.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    # Hybrids (class attribute is_hybrid = True): forward takes a HybridMetadata, see models/hybrid.py.
+    "Mamba2ForCausalLM": Mamba2ForCausalLM,
+    "BambaForCausalLM": BambaForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 
