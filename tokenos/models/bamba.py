@@ -27,6 +27,7 @@ from tokenos.models.hybrid import (
     check_layer_caches,
     hf_attrs,
     kv_cache_spec_of,
+    run_recurrent,
 )
 
 
@@ -104,7 +105,7 @@ class BambaDecoderLayer(nn.Module):
         if self.kind == "full_attention":
             x = self.self_attn(rope, x, cache, meta)
         else:
-            x = self.mamba(x, meta, *cache)
+            x = run_recurrent(self.mamba, x, meta, cache)
         x, residual = self.pre_ff_layernorm(x, residual)
         return self.feed_forward(x), residual
 

@@ -58,6 +58,37 @@ class HybridMetadata:
         return cls(by_layer)
 
 
+class CheckpointingBatch(RecurrentBatch):
+    """A RecurrentBatch for "all" cache mode: besides the running page, the state after every block
+    boundary ``b`` with ``n < b <= n + k`` is written to ``checkpoint_pages`` (one page per boundary, in
+    ``checkpoint_positions(checkpoint_every)`` order: by request, then by position)."""
+
+    def __init__(
+        self, *args: Any, checkpoint_every: int, checkpoint_pages: torch.Tensor, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        if self.num_computed_tokens is None:
+            raise ValueError("a CheckpointingBatch needs num_computed_tokens")
+        expected = len(self.checkpoint_positions(checkpoint_every))
+        if len(checkpoint_pages) != expected:
+            raise ValueError(f"{len(checkpoint_pages)} checkpoint pages for {expected} block boundaries")
+        self.checkpoint_every = checkpoint_every
+        self.checkpoint_pages = checkpoint_pages.to(device=self.device, dtype=torch.long)
+
+
+def run_recurrent(mixer: nn.Module, x: torch.Tensor, batch: RecurrentBatch, states: list) -> torch.Tensor:
+    """``mixer(x, batch, conv_pool, state_pool)``; with a CheckpointingBatch also write the block-boundary
+    states into their pages (conv and recurrent state alike), in place in the pools."""
+    if not isinstance(batch, CheckpointingBatch):
+        return mixer(x, batch, *states)
+    out, ckpt = mixer.forward_with_checkpoints(x, batch, *states, checkpoint_every=batch.checkpoint_every)
+    if len(ckpt.req_indices):
+        conv, recurrent = states
+        conv.index_copy_(0, batch.checkpoint_pages, ckpt.conv_states.to(conv.dtype))
+        recurrent.index_copy_(0, batch.checkpoint_pages, ckpt.recurrent_states.to(recurrent.dtype))
+    return out
+
+
 def hf_attrs(config: ModelConfig) -> SimpleNamespace:
     """The raw HF config as attributes (what the recurrent layers' ``Dims.from_config`` read)."""
     return SimpleNamespace(**{k: _decode_floats(v) for k, v in config.hf_config.items()})

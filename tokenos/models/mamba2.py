@@ -17,7 +17,13 @@ from tokenos.layers.layernorm import RMSNorm
 from tokenos.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from tokenos.layers.short_conv import RecurrentBatch
 from tokenos.models.config import ModelConfig
-from tokenos.models.hybrid import HybridMetadata, check_layer_caches, hf_attrs, kv_cache_spec_of
+from tokenos.models.hybrid import (
+    HybridMetadata,
+    check_layer_caches,
+    hf_attrs,
+    kv_cache_spec_of,
+    run_recurrent,
+)
 
 
 class Mamba2Block(nn.Module):
@@ -37,7 +43,7 @@ class Mamba2Block(nn.Module):
             residual, x = x, self.norm(x)
         else:
             x, residual = self.norm(x, residual)
-        return self.mixer(x, batch, *states), residual
+        return run_recurrent(self.mixer, x, batch, states), residual
 
 
 class Mamba2Backbone(nn.Module):

@@ -29,6 +29,7 @@ from tokenos.models.hybrid import (
     check_layer_caches,
     hf_attrs,
     kv_cache_spec_of,
+    run_recurrent,
 )
 
 
@@ -158,7 +159,7 @@ class Qwen3NextDecoderLayer(nn.Module):
         if self.kind == "full_attention":
             x = self.self_attn(rope, x, cache, meta)
         else:
-            x = self.linear_attn(x, meta, *cache)
+            x = run_recurrent(self.linear_attn, x, meta, cache)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 

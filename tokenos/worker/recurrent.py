@@ -14,7 +14,9 @@ runs ``k`` new ones keeps its running recurrent state in the page of column ``s 
 
 Three helpers keep the column arithmetic in one place: ``running_column``, ``running_block_ids`` (from
 per-request block lists) and ``group_layer_indices`` (group id -> indices into the per-layer cache list).
-"All" mode's per-block intermediate checkpoints are not written here (see ``build_recurrent_batch``).
+"all" mode also writes the state after every block boundary ``b`` (``n < b <= n + k``) to page
+``block_ids[b // B - 1]``: pass ``boundary_pages(...)`` and the block size to ``build_recurrent_batch``;
+the layers write them from the same scan (``tokenos.models.hybrid.CheckpointingBatch``).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from tokenos.core.kv_cache.spec import KVCacheConfig, MambaSpec
 from tokenos.layers.short_conv import RecurrentBatch
+from tokenos.models.hybrid import CheckpointingBatch
 
 NULL_BLOCK = 0
 
@@ -55,17 +58,32 @@ def running_block_ids(
     return out
 
 
+def boundary_pages(
+    block_ids: Sequence[Sequence[int]], num_computed: np.ndarray, num_scheduled: np.ndarray, block_size: int
+) -> np.ndarray:
+    """ "all" mode: the page of every block boundary ``b`` with ``n < b <= n + k``, by request then position
+    (the order ``RecurrentBatch.checkpoint_positions`` uses): ``block_ids[r][b // block_size - 1]``."""
+    pages = []
+    for blocks, n, k in zip(block_ids, num_computed, num_scheduled, strict=True):
+        first = int(n) // block_size + 1
+        pages.extend(blocks[j - 1] for j in range(first, (int(n) + int(k)) // block_size + 1))
+    return np.asarray(pages, dtype=np.int64)
+
+
 def build_recurrent_batch(
     query_start_loc: torch.Tensor | np.ndarray,
     num_computed: np.ndarray,
     num_scheduled: np.ndarray,
     running_block_ids: np.ndarray,
+    checkpoint_pages: np.ndarray | None = None,
+    block_size: int | None = None,
 ) -> RecurrentBatch:
     """The step's metadata for one recurrent group, its layers' state pools addressed by page id.
 
     ``query_start_loc`` [num_reqs + 1] cuts the flat token stream into requests (the same one attention
     uses); ``running_block_ids[r]`` is request r's page of column ``(n + k - 1) // B``. A request with
     ``num_computed == 0`` starts from zeros whatever its page holds (a recycled page needs no clearing).
+    "all" mode: also pass ``checkpoint_pages`` (``boundary_pages(...)``) and the group's ``block_size``.
     """
     num_computed = np.asarray(num_computed, dtype=np.int64)
     num_scheduled = np.asarray(num_scheduled, dtype=np.int64)
@@ -84,12 +102,16 @@ def build_recurrent_batch(
         raise ValueError(
             f"query_start_loc lengths {lengths.tolist()} != num_scheduled {num_scheduled.tolist()}"
         )
-    return RecurrentBatch(
-        qsl,
-        torch.from_numpy(num_computed > 0),
-        state_indices=torch.from_numpy(running),
-        num_computed_tokens=torch.from_numpy(num_computed),
-    )
+    args = (qsl, torch.from_numpy(num_computed > 0))
+    kwargs = dict(state_indices=torch.from_numpy(running), num_computed_tokens=torch.from_numpy(num_computed))
+    if checkpoint_pages is None:
+        return RecurrentBatch(*args, **kwargs)
+    if block_size is None:
+        raise ValueError("checkpoint_pages need the group's block_size")
+    if np.any(np.asarray(checkpoint_pages) == NULL_BLOCK):
+        raise ValueError('an "all"-mode checkpoint page is the null block: the block list is too short')
+    pages = torch.as_tensor(np.asarray(checkpoint_pages, dtype=np.int64))
+    return CheckpointingBatch(*args, checkpoint_every=block_size, checkpoint_pages=pages, **kwargs)
 
 
 def apply_state_copies(
