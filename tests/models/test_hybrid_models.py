@@ -24,6 +24,7 @@ from tokenos.models.hybrid import HybridMetadata
 from tokenos.worker.kv_cache import allocate_kv_caches
 from tokenos.worker.recurrent import (
     apply_state_copies,
+    boundary_pages,
     build_recurrent_batch,
     group_layer_indices,
     running_block_ids,
@@ -172,8 +173,11 @@ class PoolRunner:
             if isinstance(spec, MambaSpec):
                 s = running_column(n, k, spec.block_size, spec.cache_mode)
                 lst.extend([0] * (s + 1 - len(lst)))
-                if lst[s] == 0:
-                    lst[s] = self._alloc()
+                # "all" mode: a page for every column this step reaches (its boundary checkpoints).
+                first = n // spec.block_size if spec.cache_mode == "all" else s
+                for j in range(first, s + 1):
+                    if lst[j] == 0:
+                        lst[j] = self._alloc()
                 src = running_column(n, 0, spec.block_size, spec.cache_mode)
                 if spec.cache_mode != "none" and n > 0 and src != s:
                     copies[g] = (src, s)
@@ -231,7 +235,8 @@ class PoolRunner:
             spec, lists = group.kv_cache_spec, [self.blocks[r][g] for r in reqs]
             if isinstance(spec, MambaSpec):
                 running = running_block_ids(lists, n, k, spec.block_size, spec.cache_mode)
-                metas.append(build_recurrent_batch(qsl, n, k, running))
+                pages = boundary_pages(lists, n, k, spec.block_size) if spec.cache_mode == "all" else None
+                metas.append(build_recurrent_batch(qsl, n, k, running, pages, spec.block_size))
             else:
                 metas.append(build_attention_metadata(lists, n.tolist(), k.tolist(), spec.block_size))
         meta = HybridMetadata.from_groups([grp.layer_names for grp in self.groups], metas)
@@ -364,6 +369,24 @@ def test_none_mode_single_page(family):
         assert len(runner.blocks["a"][g]) == 1
     for req in ("a", "b"):
         check_request(runner, ref, req)
+
+
+def test_all_mode_checkpoints_every_block(family):
+    """ "all" mode: one prefill chunk crossing several boundaries (and a decode landing on one) leaves a
+    checkpoint in every block's page; a request resumed from each of them matches transformers."""
+    _, model, ref = family
+    runner = PoolRunner(model, mode="all", num_blocks=64, seed=6)
+    bs = runner.groups[0].kv_cache_spec.block_size
+    toks = prompt(11, 3 * bs)
+    run_chunks(runner, {"a": (toks, [5, 2 * bs + 4, bs - 10, 1])})  # boundaries bs and 2 * bs inside a chunk
+    assert runner.computed["a"] == 3 * bs  # the last one-token step ends on 3 * bs
+    check_request(runner, ref, "a")
+    for j in (1, 2, 3):
+        runner.adopt(f"r{j}", "a", j * bs)
+    suffix = prompt(12, 7)
+    runner.step([(f"r{j}", suffix[: 2 + j]) for j in (1, 2, 3)])
+    for j in (1, 2, 3):
+        check_request(runner, ref, f"r{j}", first=j * bs)
 
 
 def _fill(buffers: list[torch.Tensor], pages, salt: int) -> None:

@@ -10,6 +10,7 @@ from tokenos.core.kv_cache.spec import FullAttentionSpec, MambaSpec, get_kv_cach
 from tokenos.worker.kv_cache import allocate_kv_caches
 from tokenos.worker.recurrent import (
     apply_state_copies,
+    boundary_pages,
     build_recurrent_batch,
     group_layer_indices,
     running_block_ids,
@@ -40,6 +41,19 @@ def test_build_recurrent_batch() -> None:
     assert batch.state_rows.tolist() == [4, 8, 0]
     assert batch.num_computed_tokens == [0, 12, 3]
     assert batch.prefill_reqs == [0] and batch.decode_reqs == [1]
+
+
+def test_boundary_pages_and_checkpointing_batch() -> None:
+    """ "all" mode: boundaries b with n < b <= n + k, by request then position, page of column b // B - 1."""
+    lists = [[11, 12, 13, 14], [21, 22], [31]]
+    n, k = np.array([5, 16, 3]), np.array([44, 1, 2])
+    pages = boundary_pages(lists, n, k, 16)
+    assert pages.tolist() == [11, 12, 13]  # 16, 32, 48 for the first; 17 and 5 reach none
+    batch = build_recurrent_batch(np.array([0, 44, 45, 47]), n, k, np.array([14, 22, 31]), pages, 16)
+    assert [(r, t) for r, t in batch.checkpoint_positions(16)] == [(0, 11), (0, 27), (0, 43)]
+    assert batch.checkpoint_pages.tolist() == [11, 12, 13]
+    with pytest.raises(ValueError, match="checkpoint pages"):
+        build_recurrent_batch(np.array([0, 44, 45, 47]), n, k, np.array([14, 22, 31]), pages[:2], 16)
 
 
 def test_build_recurrent_batch_rejects_null_running_page_and_bad_lengths() -> None:
