@@ -280,3 +280,43 @@ def test_engine_death_fails_requests_and_exits_nonzero(tiny_llama):
     finally:
         log = server.stop()
     assert "engine" in log and "died" in log
+
+
+def test_32_concurrent_streams_match_offline_llm(server, tiny_llama):
+    """32 clients stream greedy completions at once; each gets exactly what the offline LLM gives."""
+    import asyncio
+    import random
+
+    from tokenos import LLM, SamplingParams
+
+    rng = random.Random(42)
+    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(3, 60))] for _ in range(32)]
+    max_tokens = 12
+
+    async def stream_one(http: httpx.AsyncClient, prompt: list[int]) -> str:
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        text = []
+        async with http.stream("POST", f"{server.url}/v1/completions", json=body, headers=headers()) as r:
+            assert r.status_code == 200
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[len("data: ") :])
+                    text.extend(c["text"] for c in chunk["choices"])
+        return "".join(text)
+
+    async def all_streams() -> list[str]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(stream_one(http, p) for p in prompts))
+
+    streamed = asyncio.run(all_streams())
+    llm = LLM(tiny_llama, dtype="float32", max_model_len=MAX_MODEL_LEN)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    offline = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert streamed == [o.outputs[0].text for o in offline]

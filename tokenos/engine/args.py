@@ -36,6 +36,9 @@ class EngineArgs:
     block_size: int = 16
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
+    mamba_cache_mode: str = (
+        "align"  # recurrent-state checkpoints: "align" (running + previous page) or "none"
+    )
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
     long_prefill_token_threshold: int = 0
@@ -64,6 +67,7 @@ class EngineArgs:
             block_size=self.block_size,
             enable_prefix_caching=self.enable_prefix_caching,
             hash_algo=self.prefix_caching_hash_algo,
+            mamba_cache_mode=self.mamba_cache_mode,
         )
         return model_config, scheduler_config, cache_config
 

@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from tokenos.core.kv_cache.spec import get_kv_cache_config
+from tokenos.core.kv_cache.spec import MambaSpec, get_kv_cache_config
 from tokenos.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from tokenos.core.request import Request, RequestStatus
 from tokenos.core.sched.scheduler import Scheduler
@@ -34,6 +34,7 @@ class EngineCore:
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed,
+            mamba_cache_mode=args.mamba_cache_mode,
         )
         layer_specs = self.model_runner.get_kv_cache_spec()
         self.kv_cache_config = get_kv_cache_config(
@@ -46,7 +47,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             scheduler_config, cache_config, self.kv_cache_config, model_config.max_model_len
         )
-        self.pending_errors: list[EngineCoreOutput] = []
+        self._log_pool_layout(args.block_size)
         self.startup_s = time.perf_counter() - t0
         logger.info(
             "engine core ready in %.1fs: model %s, %d KV blocks (%d tokens)",
@@ -56,10 +57,36 @@ class EngineCore:
             self.num_kv_tokens,
         )
 
+    def _log_pool_layout(self, requested_block_size: int) -> None:
+        """For hybrids: the unified page, the attention block size it forced, the pool's capacity."""
+        groups = self.kv_cache_config.kv_cache_groups
+        if not any(isinstance(g.kv_cache_spec, MambaSpec) for g in groups):
+            return
+        page = max(g.kv_cache_spec.page_size_bytes for g in groups)
+        block_size = groups[0].kv_cache_spec.block_size
+        max_len = self.model_config.max_model_len
+        per_request = sum(-(-g.kv_cache_spec.max_memory_usage_bytes(max_len) // page) for g in groups)
+        usable = self.kv_cache_config.num_blocks - 1
+        logger.info(
+            "hybrid KV pool: unified page %d bytes; attention block size %d tokens (asked %d); "
+            "%d pages in %d groups = %d requests of max_model_len %d, %d attention tokens",
+            page,
+            block_size,
+            requested_block_size,
+            usable,
+            len(groups),
+            usable // per_request,
+            max_len,
+            self.num_kv_tokens,
+        )
+
     @property
     def num_kv_tokens(self) -> int:
-        block_size = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
-        return (self.kv_cache_config.num_blocks - 1) * block_size
+        """Tokens the pool holds for attention (pages divided among the attention groups)."""
+        groups = self.kv_cache_config.kv_cache_groups
+        attention = [g for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)] or groups
+        block_size = attention[0].kv_cache_spec.block_size
+        return (self.kv_cache_config.num_blocks - 1) * block_size // len(groups)
 
     # ------------------------------------------------------------ requests
 

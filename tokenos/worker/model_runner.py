@@ -17,11 +17,14 @@ import torch
 from tokenos.core.kv_cache.spec import KVCacheConfig
 from tokenos.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenos.layers.attention import AttentionMetadata, make_attention_metadata
+from tokenos.layers.short_conv import RecurrentBatch
 from tokenos.models import build_model
 from tokenos.models.config import ModelConfig
+from tokenos.models.hybrid import HybridMetadata
 from tokenos.sample.sampler import Sampler, compute_prompt_logprobs
 from tokenos.worker.input_batch import CachedRequestState, InputBatch
 from tokenos.worker.kv_cache import allocate_kv_caches
+from tokenos.worker.recurrent import apply_state_copies, build_recurrent_batch, group_layer_indices
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +38,10 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         seed: int = 0,
+        mamba_cache_mode: str = "align",
     ) -> None:
         torch.manual_seed(seed)
+        self.mamba_cache_mode = mamba_cache_mode
         self.model_config = model_config
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -50,14 +55,23 @@ class ModelRunner:
         self.group_block_sizes: list[int] = []
 
     def get_kv_cache_spec(self) -> dict:
+        if getattr(self.model, "is_hybrid", False):
+            return self.model.get_kv_cache_spec(self.block_size, self.mamba_cache_mode)
         return self.model.get_kv_cache_spec(self.block_size)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         specs = self.get_kv_cache_spec()
         self.kv_caches = allocate_kv_caches(kv_cache_config, list(specs))
         self.group_block_sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
-        group_of = {name: g for g, grp in enumerate(kv_cache_config.kv_cache_groups) for name in grp.layer_names}
+        group_of = {
+            name: g for g, grp in enumerate(kv_cache_config.kv_cache_groups) for name in grp.layer_names
+        }
         self.layer_group = [group_of[name] for name in specs]  # KV-cache group of each model layer
+        self.group_layer_names = [list(grp.layer_names) for grp in kv_cache_config.kv_cache_groups]
+        self.recurrent_groups = group_layer_indices(kv_cache_config, list(specs))
+        self.is_hybrid = bool(getattr(self.model, "is_hybrid", False))
+        if self.recurrent_groups and self.mamba_cache_mode == "all":
+            raise ValueError('mamba_cache_mode "all" is not wired into the model runner yet; use "align".')
         max_blocks = [-(-self.max_model_len // bs) for bs in self.group_block_sizes]
         self.input_batch = InputBatch(
             self.max_num_seqs, self.max_model_len, max_blocks, self.model_config.vocab_size
@@ -140,6 +154,13 @@ class ModelRunner:
         positions = np.repeat(num_computed, num_sched) + offsets
         input_ids = batch.token_ids[rows, positions]
 
+        if so.mamba_state_copies:
+            apply_state_copies(
+                so.mamba_state_copies,
+                lambda req_id, g: self.requests[req_id].block_ids[g],
+                self.recurrent_groups,
+                self.kv_caches,
+            )
         attn_metadata = self._build_metadata(n, rows, positions, num_sched, num_computed)
         hidden = self.model(
             torch.from_numpy(input_ids), torch.from_numpy(positions), attn_metadata, self.kv_caches
@@ -190,12 +211,30 @@ class ModelRunner:
     ):
         """One metadata object per KV-cache group, shaped the way the model takes it."""
         per_group = [
-            self._attention_metadata(g, n, rows, positions, num_sched, num_computed)
+            self._recurrent_metadata(g, n, num_sched, num_computed)
+            if g in self.recurrent_groups
+            else self._attention_metadata(g, n, rows, positions, num_sched, num_computed)
             for g in range(len(self.group_block_sizes))
         ]
+        if self.is_hybrid:
+            return HybridMetadata.from_groups(self.group_layer_names, per_group)
         if len(per_group) == 1:
             return per_group[0]
         return [per_group[g] for g in self.layer_group]
+
+    def _recurrent_metadata(
+        self, g: int, n: int, num_sched: np.ndarray, num_computed: np.ndarray
+    ) -> RecurrentBatch:
+        """The running state page of each request: column (n + k - 1) // B of its block list."""
+        table = self.input_batch.block_tables[g]
+        block_size = self.group_block_sizes[g]
+        if self.mamba_cache_mode == "none":
+            columns = np.zeros(n, dtype=np.int64)
+        else:
+            columns = np.maximum(num_computed + num_sched - 1, 0) // block_size
+        running = table.table[np.arange(n), columns].astype(np.int64)
+        qsl = np.concatenate(([0], np.cumsum(num_sched)))
+        return build_recurrent_batch(qsl, num_computed, num_sched, running)
 
     def _attention_metadata(
         self,

@@ -1,0 +1,115 @@
+"""Hybrid models end to end through `LLM`: greedy tokens identical to transformers and logprobs
+close, with chunked prefill at odd budgets, mixed batches, prefix-cache hits on recurrent-state
+checkpoints (including a hit followed by a different suffix), n > 1 and preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.models.test_hybrid_models import VOCAB, _hf_config, _perturb
+from tokenos import LLM, SamplingParams
+
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module", params=["mamba2", "bamba", "qwen3_next"])
+def hybrid(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(_hf_config(request.param), dtype=torch.float32).eval()
+    _perturb(ref)
+    folder = str(tmp_path_factory.mktemp(request.param))
+    ref.save_pretrained(folder)
+    return folder, ref
+
+
+@torch.no_grad()
+def hf_greedy(ref, prompt: list[int]) -> tuple[list[int], list[float]]:
+    tokens, logprobs = list(prompt), []
+    for _ in range(MAX_TOKENS):
+        logits = ref(torch.tensor([tokens]), use_cache=False).logits[0, -1].float()
+        nxt = int(logits.argmax())
+        logprobs.append(torch.log_softmax(logits, -1)[nxt].item())
+        tokens.append(nxt)
+    return tokens[len(prompt) :], logprobs
+
+
+def prompts_of(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def run(llm: LLM, prompts: list[list[int]], n: int = 1):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, n=n)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def check(outputs, prompts, ref) -> None:
+    for out, prompt in zip(outputs, prompts, strict=True):
+        ref_tokens, ref_logprobs = hf_greedy(ref, prompt)
+        for completion in out.outputs:
+            assert completion.token_ids == ref_tokens
+            ours = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
+            assert max(abs(a - b) for a, b in zip(ours, ref_logprobs, strict=True)) < 1e-3
+
+
+def make_llm(folder: str, **kwargs) -> LLM:
+    kwargs.setdefault("dtype", "float32")
+    kwargs.setdefault("max_model_len", 256)
+    return LLM(folder, skip_tokenizer_init=True, **kwargs)
+
+
+def test_chunked_mixed_batch(hybrid):
+    folder, ref = hybrid
+    prompts = prompts_of(5, 1, 90, seed=1)
+    llm = make_llm(folder, max_num_batched_tokens=13)
+    check(run(llm, prompts), prompts, ref)
+
+
+def test_prefix_hits_resume_from_checkpoints(hybrid):
+    folder, ref = hybrid
+    llm = make_llm(folder)
+    block = llm.engine.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    shared = prompts_of(1, 3 * block + 5, 3 * block + 5, seed=2)[0]
+    first = run(llm, [shared])
+    check(first, [shared], ref)
+    # The same prompt again, then its first 3 blocks with different suffixes. Align mode keeps the
+    # state checkpoint at the prompt's last block boundary (3 blocks), so every one of them resumes
+    # there and scans only its suffix.
+    prompts = [shared] + [shared[: 3 * block + 2] + tail for tail in prompts_of(2, 1, 9, seed=3)]
+    again = run(llm, prompts)
+    check(again, prompts, ref)
+    assert [o.num_cached_tokens for o in again] == [3 * block] * 3
+
+
+def test_n_greater_than_one(hybrid):
+    folder, ref = hybrid
+    prompts = prompts_of(2, 20, 50, seed=4)
+    outputs = run(make_llm(folder), prompts, n=3)
+    assert all(len(o.outputs) == 3 for o in outputs)
+    check(outputs, prompts, ref)
+
+
+def test_preemption(hybrid):
+    folder, ref = hybrid
+    probe = make_llm(folder, max_model_len=128)
+    groups = probe.engine.kv_cache_config.kv_cache_groups
+    block = groups[0].kv_cache_spec.block_size
+    # Pages for exactly one max-length request (every group), plus the null block.
+    need = sum(
+        -(-g.kv_cache_spec.max_memory_usage_bytes(128) // g.kv_cache_spec.page_size_bytes) for g in groups
+    )
+    del probe
+    # Prompts ending 2 tokens short of a block boundary: every decode soon needs new pages in
+    # every group at once, while the pool is full of admitted requests.
+    rng = random.Random(5)
+    lengths = [rng.choice((2 * block - 2, 3 * block - 2)) for _ in range(6)]
+    prompts = [p[:n] for p, n in zip(prompts_of(6, 3 * block, 3 * block, seed=5), lengths, strict=True)]
+    llm = make_llm(folder, max_model_len=128, num_kv_blocks=need + 1, enable_prefix_caching=False)
+    outputs = run(llm, prompts)
+    check(outputs, prompts, ref)
+    assert llm.get_metrics()["num_preemptions"] > 0
