@@ -46,6 +46,7 @@ def _bench(argv: list[str]) -> int:
         "throughput": "tokenos.bench.throughput",
         "serve": "tokenos.bench.serve",
         "scheduler": "tokenos.bench.scheduler",
+        "hybrid": "tokenos.bench.hybrid",
     }
     if not argv or argv[0] not in kinds:
         print(f"usage: tokenos bench {{{','.join(kinds)}}} [options]", file=sys.stderr)

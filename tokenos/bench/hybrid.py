@@ -1,0 +1,149 @@
+"""`tokenos bench hybrid`: a tiny hybrid (attention + Mamba2) against a same-size pure-attention
+model, at growing context: decode tokens/s, KV-cache memory per request, and time to first
+token with and without a prefix hit on a shared prefix.
+
+Both models are random-weight checkpoints written on the fly with transformers' configs
+(Bamba for the hybrid, Llama for attention), same hidden size and depth. The recurrent state
+is a fixed number of bytes per request, so the hybrid's memory per request stays nearly flat
+while the attention model's grows with the context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+
+HIDDEN, LAYERS, HEADS = 256, 8, 4
+
+
+def write_checkpoints(root: str, max_len: int) -> dict[str, str]:
+    import torch
+    import transformers
+
+    common = dict(
+        vocab_size=4096,
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        intermediate_size=512,
+        num_attention_heads=HEADS,
+        num_key_value_heads=HEADS,
+        max_position_embeddings=max_len,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=True,
+    )
+    configs = {
+        "attention": transformers.LlamaConfig(head_dim=HIDDEN // HEADS, **common),
+        "hybrid": transformers.BambaConfig(
+            attn_layer_indices=[3, 7],
+            mamba_n_heads=8,
+            mamba_d_head=64,
+            mamba_n_groups=1,
+            mamba_d_state=64,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=64,
+            **common,
+        ),
+    }
+    paths = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        paths[name] = f"{root}/{name}"
+        model.save_pretrained(paths[name])
+    return paths
+
+
+def bytes_per_request(llm, context: int) -> int:
+    config = llm.engine.kv_cache_config
+    page = max(g.kv_cache_spec.page_size_bytes for g in config.kv_cache_groups)
+    return page * sum(
+        -(-g.kv_cache_spec.max_memory_usage_bytes(context) // page) for g in config.kv_cache_groups
+    )
+
+
+def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> float:
+    from tokenos import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    t = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return time.perf_counter() - t
+
+
+def measure_context(path: str, context: int, batch: int, new_tokens: int, seed: int) -> dict:
+    from tokenos import LLM
+
+    rng = random.Random(seed)
+    llm = LLM(
+        path,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        max_model_len=context + new_tokens + 8,
+        enable_prefix_caching=False,
+        max_num_batched_tokens=2048,
+    )
+    prompts = [[rng.randrange(3, 4096) for _ in range(context)] for _ in range(batch)]
+    prefill = timed_generate(llm, prompts, 1)
+    total = timed_generate(llm, prompts, new_tokens + 1)
+    decode_s = max(total - prefill, 1e-9)
+    return {
+        "context": context,
+        "batch": batch,
+        "prefill_s": round(prefill, 2),
+        "decode_tok_s": round(batch * new_tokens / decode_s, 1),
+        "kv_bytes_per_request": bytes_per_request(llm, context),
+    }
+
+
+def measure_prefix_ttft(path: str, prefix_len: int, suffix_len: int, seed: int) -> dict:
+    from tokenos import LLM
+
+    rng = random.Random(seed)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=prefix_len + suffix_len + 16)
+    prefix = [rng.randrange(3, 4096) for _ in range(prefix_len)]
+
+    def fresh() -> list[int]:
+        return prefix + [rng.randrange(3, 4096) for _ in range(suffix_len)]
+
+    cold = timed_generate(llm, [fresh()], 1)
+    before = llm.get_metrics()["prefix_cache_hits"]
+    warm = timed_generate(llm, [fresh()], 1)
+    hit = llm.get_metrics()["prefix_cache_hits"] - before
+    return {
+        "prefix_len": prefix_len,
+        "ttft_cold_s": round(cold, 3),
+        "ttft_hit_s": round(warm, 3),
+        "hit_tokens": hit,
+        "block_size": llm.engine.kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tokenos bench hybrid", description=__doc__)
+    parser.add_argument("--contexts", default="1024,4096,16384")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--prefix-len", type=int, default=2048)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    with tempfile.TemporaryDirectory() as root:
+        paths = write_checkpoints(root, max(contexts) + args.new_tokens + 64)
+        for name, path in paths.items():
+            for context in contexts:
+                row = measure_context(path, context, args.batch, args.new_tokens, args.seed)
+                print(json.dumps({"model": name, **row}), flush=True)
+            print(
+                json.dumps({"model": name, **measure_prefix_ttft(path, args.prefix_len, 32, args.seed)}),
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
