@@ -31,6 +31,7 @@ from tokenos.core.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MambaSpec
 from tokenos.layers.attention import AttentionMetadata
 from tokenos.layers.rotary import RotaryEmbedding
 from tokenos.layers.short_conv import RecurrentBatch
+from tokenos.models.base import CausalLM, pre_norm
 from tokenos.models.config import ModelConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -176,3 +177,58 @@ def kv_cache_spec_of(
         else:
             specs[name] = attention_spec(block_size, layer.num_kv_heads, layer.head_dim, dtype)
     return specs
+
+
+class HybridDecoderLayer(nn.Module):
+    """``input_layernorm -> mixer -> + -> post-mixer norm -> MLP -> +``, the mixer being full attention
+    (``self_attn``) or a recurrent layer. Subclasses register their modules under the checkpoint's names
+    and give the recurrent mixer's, the post-mixer norm's and the MLP's names."""
+
+    recurrent_name: str
+    post_norm_name: str
+    mlp_name: str
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    @property
+    def mixer_name(self) -> str:
+        return "self_attn" if self.kind == "full_attention" else self.recurrent_name
+
+    @property
+    def mixer(self) -> nn.Module:
+        return getattr(self, self.mixer_name)
+
+    def forward(
+        self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None, cache, meta
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = pre_norm(self.input_layernorm, x, residual)
+        if self.kind == "full_attention":
+            x = self.self_attn(rope, x, cache, meta)
+        else:
+            x = run_recurrent(self.mixer, x, meta, cache)
+        x, residual = getattr(self, self.post_norm_name)(x, residual)
+        return getattr(self, self.mlp_name)(x), residual
+
+
+class HybridCausalLM(CausalLM):
+    """A CausalLM whose forward takes a ``HybridMetadata``: layer ``i`` (named ``<stack>.layers.i.<mixer>``)
+    reads ``kv_caches[i]`` and ``by_layer[name_i]``. Its layers expose ``mixer_name`` and ``mixer``."""
+
+    is_hybrid = True
+
+    def layer_names(self) -> list[str]:
+        prefix = f"{self._stack_name}.layers"
+        return [f"{prefix}.{i}.{layer.mixer_name}" for i, layer in enumerate(self.stack.layers)]
+
+    def layer_metadata(self, attn_metadata: HybridMetadata, kv_caches: list) -> list:
+        names = self.layer_names()
+        check_layer_caches(names, attn_metadata, kv_caches)
+        return [attn_metadata.by_layer[name] for name in names]
+
+    def get_kv_cache_spec(self, block_size: int, mamba_cache_mode: str = "align") -> dict[str, KVCacheSpec]:
+        """FullAttentionSpec per attention layer, MambaSpec per recurrent layer, in layer order."""
+        names = self.layer_names()
+        layers = [(name, layer.mixer) for name, layer in zip(names, self.stack.layers, strict=True)]
+        return kv_cache_spec_of(layers, block_size, mamba_cache_mode, self.config.dtype_name)

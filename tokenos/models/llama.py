@@ -13,10 +13,11 @@ from torch import nn
 
 from tokenos.layers.activation import SiluAndMul
 from tokenos.layers.attention import Attention, AttentionMetadata
-from tokenos.layers.embedding import LMHead, VocabEmbedding
+from tokenos.layers.embedding import VocabEmbedding
 from tokenos.layers.layernorm import RMSNorm
 from tokenos.layers.linear import Linear, MergedLinear, QKVLinear
 from tokenos.layers.rotary import RotaryEmbedding
+from tokenos.models.base import FUSED_QKV_GATE_UP, CausalLM, DecoderStack, pre_norm
 from tokenos.models.config import ModelConfig
 
 Rope = tuple[torch.Tensor, torch.Tensor]  # this step's (cos, sin), shared by all layers
@@ -82,80 +83,42 @@ class DecoderLayer(nn.Module):
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        x, residual = pre_norm(self.input_layernorm, x, residual)
         x = self.self_attn(rope, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
 
-class DecoderModel(nn.Module):
+class DecoderModel(DecoderStack):
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        # One rotary table, shared (the same module object) by every layer.
+        embed = VocabEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(
             config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling
         )
-        self.rotary = rotary
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, rotary, window) for window in config.layer_sliding_windows
+        super().__init__(
+            ("embed_tokens", embed),
+            [DecoderLayer(config, rotary, window) for window in config.layer_sliding_windows],
+            ("norm", RMSNorm(config.hidden_size, config.rms_norm_eps)),
+            rotary,
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        meta: AttentionMetadata | list[AttentionMetadata],
-        kv_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """`meta` is one AttentionMetadata for all layers, or one per layer when the layers
-        fall into several KV-cache groups (e.g. sliding-window beside full attention)."""
-        x, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary.cos_sin(positions, x.dtype)  # gathered once, used by every layer
-        metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
-        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas, strict=True):
-            x, residual = layer(rope, x, residual, kv_cache, layer_meta)
-        x, _ = self.norm(x, residual)
-        return x
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Llama / SmolLM2 / Mistral / Qwen2 / Qwen3: the variant is chosen by ModelConfig's knobs."""
 
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = FUSED_QKV_GATE_UP
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = DecoderModel(config)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+        super().__init__(config, "model", DecoderModel(config))
 
-    @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn_metadata: AttentionMetadata | list[AttentionMetadata],
-        kv_caches: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] for a step; kv_caches[i] is attention layer i's cache."""
-        return self.model(input_ids, positions, attn_metadata, kv_caches)
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits [n, vocab]; pass only the rows that are sampled."""
-        return self.lm_head(hidden)
+    def layer_metadata(
+        self, attn_metadata: AttentionMetadata | list[AttentionMetadata], kv_caches: list
+    ) -> list[AttentionMetadata]:
+        """One AttentionMetadata for all layers, or one per layer when the layers fall into several
+        KV-cache groups (e.g. sliding-window beside full attention); ``kv_caches[i]`` is layer i's cache."""
+        if isinstance(attn_metadata, list):
+            return attn_metadata
+        return [attn_metadata] * len(self.model.layers)
 
     def attention_layer_names(self) -> list[str]:
         return [f"model.layers.{i}.self_attn.attn" for i in range(len(self.model.layers))]

@@ -14,23 +14,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenos.core.kv_cache.spec import KVCacheSpec
 from tokenos.layers.activation import SiluAndMul
 from tokenos.layers.attention import Attention, AttentionMetadata
-from tokenos.layers.embedding import LMHead, VocabEmbedding
+from tokenos.layers.embedding import VocabEmbedding
 from tokenos.layers.gated_delta import GatedDeltaDims, GatedDeltaNet
 from tokenos.layers.layernorm import RMSNorm
 from tokenos.layers.linear import Linear, MergedLinear, QKVLinear
+from tokenos.models.base import FUSED_QKV_GATE_UP, DecoderStack
 from tokenos.models.config import ModelConfig
-from tokenos.models.hybrid import (
-    HybridMetadata,
-    PartialRotary,
-    Rope,
-    check_layer_caches,
-    hf_attrs,
-    kv_cache_spec_of,
-    run_recurrent,
-)
+from tokenos.models.hybrid import HybridCausalLM, HybridDecoderLayer, PartialRotary, Rope, hf_attrs
 
 
 def _plus_one_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -128,12 +120,13 @@ def uses_moe(config: ModelConfig, layer: int) -> bool:
     )
 
 
-class Qwen3NextDecoderLayer(nn.Module):
+class Qwen3NextDecoderLayer(HybridDecoderLayer):
+    recurrent_name, post_norm_name, mlp_name = "linear_attn", "post_attention_layernorm", "mlp"
+
     def __init__(
         self, config: ModelConfig, layer: int, kind: str, rotary: PartialRotary, dims: GatedDeltaDims
     ) -> None:
-        super().__init__()
-        self.kind = kind
+        super().__init__(kind)
         self.input_layernorm = offset_rms_norm(config.hidden_size, config.rms_norm_eps)
         if kind == "full_attention":
             self.self_attn = Qwen3NextAttention(config, rotary)
@@ -145,86 +138,27 @@ class Qwen3NextDecoderLayer(nn.Module):
         else:
             self.mlp = Qwen3NextMLP(config.hidden_size, config.intermediate_size)
 
-    @property
-    def mixer(self) -> nn.Module:
-        return self.self_attn if self.kind == "full_attention" else self.linear_attn
 
-    def forward(
-        self, rope: Rope, x: torch.Tensor, residual: torch.Tensor | None, cache, meta
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        if self.kind == "full_attention":
-            x = self.self_attn(rope, x, cache, meta)
-        else:
-            x = run_recurrent(self.linear_attn, x, meta, cache)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
-
-
-class Qwen3NextModel(nn.Module):
+class Qwen3NextModel(DecoderStack):
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
         kinds = config.hf_config.get("layer_types") or []
         if len(kinds) != config.num_hidden_layers:
             raise ValueError(f"Qwen3-Next config needs layer_types with {config.num_hidden_layers} entries")
         dims = GatedDeltaDims.from_config(hf_attrs(config))
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary = PartialRotary(config)
-        self.layers = nn.ModuleList(
-            Qwen3NextDecoderLayer(config, i, kind, self.rotary, dims) for i, kind in enumerate(kinds)
+        embed = VocabEmbedding(config.vocab_size, config.hidden_size)
+        rotary = PartialRotary(config)
+        super().__init__(
+            ("embed_tokens", embed),
+            [Qwen3NextDecoderLayer(config, i, kind, rotary, dims) for i, kind in enumerate(kinds)],
+            ("norm", offset_rms_norm(config.hidden_size, config.rms_norm_eps)),
+            rotary,
         )
-        self.norm = offset_rms_norm(config.hidden_size, config.rms_norm_eps)
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class Qwen3NextForCausalLM(HybridCausalLM):
     """Qwen3-Next (e.g. 80B-A3B) layout; multi-token-prediction (``mtp.*``) weights are skipped."""
 
-    is_hybrid = True
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", "q"),
-        "k_proj": ("qkv_proj", "k"),
-        "v_proj": ("qkv_proj", "v"),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = FUSED_QKV_GATE_UP
 
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = Qwen3NextModel(config)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
-
-    def layer_names(self) -> list[str]:
-        return [
-            f"model.layers.{i}.{'self_attn' if layer.kind == 'full_attention' else 'linear_attn'}"
-            for i, layer in enumerate(self.model.layers)
-        ]
-
-    @torch.inference_mode()
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: HybridMetadata, kv_caches: list
-    ) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]``; layer i reads ``kv_caches[i]`` (spec order)."""
-        names = self.layer_names()
-        check_layer_caches(names, attn_metadata, kv_caches)
-        x, residual = self.model.embed_tokens(input_ids), None
-        rope = self.model.rotary.cos_sin(positions, x.dtype)
-        for name, layer, cache in zip(names, self.model.layers, kv_caches, strict=True):
-            x, residual = layer(rope, x, residual, cache, attn_metadata.by_layer[name])
-        x, _ = self.model.norm(x, residual)
-        return x
-
-    @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
-
-    def get_kv_cache_spec(self, block_size: int, mamba_cache_mode: str = "align") -> dict[str, KVCacheSpec]:
-        """FullAttentionSpec per attention layer, MambaSpec per gated-DeltaNet layer, in layer order."""
-        layers = [
-            (name, layer.mixer) for name, layer in zip(self.layer_names(), self.model.layers, strict=True)
-        ]
-        return kv_cache_spec_of(layers, block_size, mamba_cache_mode, self.config.dtype_name)
+        super().__init__(config, "model", Qwen3NextModel(config))
