@@ -17,22 +17,20 @@ Semantics follow transformers' ``Qwen3NextGatedDeltaNet`` torch path.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from tokenos.layers.short_conv import (
     ChunkLayout,
     RecurrentBatch,
+    RecurrentLayer,
     StateCheckpoints,
     WeightHolder,
     advance_states,
     causal_conv1d_varlen,
     first_attr,
-    load_named_weights,
     make_checkpoints,
     make_param,
 )
@@ -153,14 +151,16 @@ def gated_delta_step(
     return torch.einsum("rhkv,rhk->rhv", state, q), state
 
 
-class GatedDeltaNet(nn.Module):
+class GatedDeltaNet(RecurrentLayer):
     """Qwen3-Next's linear-attention layer; parameter names and shapes equal transformers'
     (``in_proj_qkvz.weight``, ``in_proj_ba.weight``, ``conv1d.weight`` ``[conv_dim, 1, K]``, ``dt_bias``,
     ``A_log``, ``norm.weight`` ``[head_v_dim]``, ``out_proj.weight``)."""
 
+    dims_type = GatedDeltaDims
+
     def __init__(self, config: object, params_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        d = config if isinstance(config, GatedDeltaDims) else GatedDeltaDims.from_config(config)
+        d = self.dims_of(config)
         self.dims = d
         self.in_proj_qkvz = WeightHolder((2 * d.key_dim + 2 * d.value_dim, d.hidden_size), None, params_dtype)
         self.in_proj_ba = WeightHolder((2 * d.num_v_heads, d.hidden_size), None, params_dtype)
@@ -171,42 +171,9 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = WeightHolder((d.hidden_size, d.value_dim), None, params_dtype)
 
     @staticmethod
-    def state_shapes(
-        config: object, dtype: str = "float32", recurrent_dtype: str | None = None
-    ) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
-        """Per-request state: ``((K - 1, conv_dim), (num_v_heads, head_k_dim, head_v_dim))`` and dtypes."""
-        d = config if isinstance(config, GatedDeltaDims) else GatedDeltaDims.from_config(config)
-        shapes = ((d.conv_kernel - 1, d.conv_dim), (d.num_v_heads, d.head_k_dim, d.head_v_dim))
-        return shapes, (dtype, recurrent_dtype or dtype)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load checkpoint tensors named relative to this layer (``in_proj_qkvz.weight`` ...)."""
-        return load_named_weights(self, weights)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        batch: RecurrentBatch,
-        conv_state: torch.Tensor,
-        recurrent_state: torch.Tensor,
-    ) -> torch.Tensor:
-        """``hidden_states [num_tokens, hidden]`` -> ``[num_tokens, hidden]``; states advanced in place."""
-        out, _ = self._run(hidden_states, batch, conv_state, recurrent_state, checkpoint_every=None)
-        return out
-
-    def forward_with_checkpoints(
-        self,
-        hidden_states: torch.Tensor,
-        batch: RecurrentBatch,
-        conv_state: torch.Tensor,
-        recurrent_state: torch.Tensor,
-        checkpoint_every: int,
-    ) -> tuple[torch.Tensor, StateCheckpoints]:
-        """Like ``forward``, and also return the states after every absolute multiple of
-        ``checkpoint_every`` tokens reached in this step (``batch.num_computed_tokens`` required)."""
-        out, ckpt = self._run(hidden_states, batch, conv_state, recurrent_state, checkpoint_every)
-        assert ckpt is not None
-        return out, ckpt
+    def _state_shapes(d: GatedDeltaDims) -> tuple[tuple[int, ...], ...]:
+        """``((K - 1, conv_dim), (num_v_heads, head_k_dim, head_v_dim))``."""
+        return ((d.conv_kernel - 1, d.conv_dim), (d.num_v_heads, d.head_k_dim, d.head_v_dim))
 
     def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Split transformers' head-grouped projections: each key head's group holds

@@ -22,22 +22,20 @@ decode equals prefill for any limits (transformers clamps only in the chunked pa
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from tokenos.layers.short_conv import (
     ChunkLayout,
     RecurrentBatch,
+    RecurrentLayer,
     StateCheckpoints,
     WeightHolder,
     advance_states,
     causal_conv1d_varlen,
     first_attr,
-    load_named_weights,
     make_checkpoints,
     make_param,
 )
@@ -178,14 +176,16 @@ def ssd_recurrent_step(
     return torch.einsum("rhpn,rhn->rhp", state, C), state
 
 
-class Mamba2Mixer(nn.Module):
+class Mamba2Mixer(RecurrentLayer):
     """The Mamba2 mixer; parameter names and shapes equal transformers' (``in_proj.weight``,
     ``conv1d.weight`` ``[conv_dim, 1, K]``, ``conv1d.bias``, ``dt_bias``, ``A_log``, ``D``, ``norm.weight``,
     ``out_proj.weight``), so ``load_weights`` takes checkpoint names with the layer prefix stripped."""
 
+    dims_type = Mamba2Dims
+
     def __init__(self, config: object, params_dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        d = config if isinstance(config, Mamba2Dims) else Mamba2Dims.from_config(config)
+        d = self.dims_of(config)
         self.dims = d
         proj_size = 2 * d.intermediate_size + 2 * d.n_groups * d.state_size + d.num_heads
         self.in_proj = WeightHolder(
@@ -200,42 +200,9 @@ class Mamba2Mixer(nn.Module):
             (d.hidden_size, d.intermediate_size), d.hidden_size if d.use_bias else None, params_dtype)
 
     @staticmethod
-    def state_shapes(
-        config: object, dtype: str = "float32", ssm_dtype: str | None = None
-    ) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
-        """Per-request state: ``((K - 1, conv_dim), (num_heads, head_dim, state_size))`` and their dtypes."""
-        d = config if isinstance(config, Mamba2Dims) else Mamba2Dims.from_config(config)
-        shapes = ((d.conv_kernel - 1, d.conv_dim), (d.num_heads, d.head_dim, d.state_size))
-        return shapes, (dtype, ssm_dtype or dtype)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Load checkpoint tensors named relative to this mixer (``in_proj.weight`` ...)."""
-        return load_named_weights(self, weights)
-
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        batch: RecurrentBatch,
-        conv_state: torch.Tensor,
-        ssm_state: torch.Tensor,
-    ) -> torch.Tensor:
-        """``hidden_states [num_tokens, hidden]`` -> ``[num_tokens, hidden]``; states advanced in place."""
-        out, _ = self._run(hidden_states, batch, conv_state, ssm_state, checkpoint_every=None)
-        return out
-
-    def forward_with_checkpoints(
-        self,
-        hidden_states: torch.Tensor,
-        batch: RecurrentBatch,
-        conv_state: torch.Tensor,
-        ssm_state: torch.Tensor,
-        checkpoint_every: int,
-    ) -> tuple[torch.Tensor, StateCheckpoints]:
-        """Like ``forward``, and also return the states after every absolute multiple of
-        ``checkpoint_every`` tokens reached in this step (``batch.num_computed_tokens`` required)."""
-        out, ckpt = self._run(hidden_states, batch, conv_state, ssm_state, checkpoint_every)
-        assert ckpt is not None
-        return out, ckpt
+    def _state_shapes(d: Mamba2Dims) -> tuple[tuple[int, ...], ...]:
+        """``((K - 1, conv_dim), (num_heads, head_dim, state_size))``."""
+        return ((d.conv_kernel - 1, d.conv_dim), (d.num_heads, d.head_dim, d.state_size))
 
     def _run(
         self,

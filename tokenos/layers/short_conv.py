@@ -5,7 +5,7 @@ fixed-size state (a checkpoint of its whole prefix) that the layer reads, advanc
 tokens, and writes back in place. Prefill and decode are not modes: a request with one new token takes the
 cheap recurrent step, a longer one the chunk-parallel scan, both in the same call.
 
-Three pieces live here because both layer families need them:
+Four pieces live here because both layer families need them:
 
 - ``RecurrentBatch``: per-step metadata (lengths, which requests decode, where states live), built once
   by the worker and shared by every recurrent layer of the step.
@@ -18,6 +18,9 @@ Three pieces live here because both layer families need them:
   which makes the state at those positions a free by-product of the scan (prefix-cache checkpoints).
   One extra all-padding chunk at the end is the identity chunk that the per-request chunk table points at
   past a request's last chunk, so the sequential inter-chunk pass needs no masks.
+
+- ``RecurrentLayer``: the base both layers share: dims from a config, state shapes, ``forward`` and
+  ``forward_with_checkpoints`` over one ``_run``, ``load_weights``.
 
 Plus the small weight helpers both layers use: parameters named exactly as in the HF checkpoint, each
 with a ``weight_loader``, so a layer's ``load_weights`` is a name lookup.
@@ -367,3 +370,55 @@ def load_named_weights(module: nn.Module, weights: Iterable[tuple[str, torch.Ten
         getattr(param, "weight_loader", _default_weight_loader)(param, tensor)
         loaded.add(name)
     return loaded
+
+
+class RecurrentLayer(nn.Module):
+    """A layer whose requests each own a (conv state, recurrent state) pair, advanced in place.
+
+    Subclasses (Mamba2 mixer, gated DeltaNet) set ``dims_type`` (a dims dataclass with ``from_config``),
+    and implement ``_state_shapes(dims)`` and ``_run(hidden_states, batch, conv_state, recurrent_state,
+    checkpoint_every)``, which returns the output and, when ``checkpoint_every`` is set, the checkpoints.
+    """
+
+    dims_type: type
+
+    @classmethod
+    def dims_of(cls, config: object) -> object:
+        """``config`` itself if it is already the layer's dims, else its dims read from an HF config."""
+        return config if isinstance(config, cls.dims_type) else cls.dims_type.from_config(config)
+
+    @classmethod
+    def state_shapes(
+        cls, config: object, dtype: str = "float32", recurrent_dtype: str | None = None
+    ) -> tuple[tuple[tuple[int, ...], ...], tuple[str, ...]]:
+        """Per-request ``(conv state shape, recurrent state shape)`` and their dtypes."""
+        return cls._state_shapes(cls.dims_of(config)), (dtype, recurrent_dtype or dtype)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load checkpoint tensors named relative to this layer (``in_proj.weight`` ...)."""
+        return load_named_weights(self, weights)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        batch: RecurrentBatch,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+    ) -> torch.Tensor:
+        """``hidden_states [num_tokens, hidden]`` -> ``[num_tokens, hidden]``; states advanced in place."""
+        out, _ = self._run(hidden_states, batch, conv_state, recurrent_state, checkpoint_every=None)
+        return out
+
+    def forward_with_checkpoints(
+        self,
+        hidden_states: torch.Tensor,
+        batch: RecurrentBatch,
+        conv_state: torch.Tensor,
+        recurrent_state: torch.Tensor,
+        checkpoint_every: int,
+    ) -> tuple[torch.Tensor, StateCheckpoints]:
+        """Like ``forward``, and also return the states after every absolute multiple of
+        ``checkpoint_every`` tokens reached in this step (``batch.num_computed_tokens`` required)."""
+        out, ckpt = self._run(hidden_states, batch, conv_state, recurrent_state, checkpoint_every)
+        assert ckpt is not None
+        return out, ckpt
