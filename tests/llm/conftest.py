@@ -7,33 +7,24 @@ import random
 import pytest
 import torch
 
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    vocab_size=256,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    initializer_range=0.3,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+from tests.models.conftest import TINY as MODEL_TINY
+from tests.models.conftest import dense_config
+
+# The tiny dense shape of the model-parity tests, with a larger vocab and longer context for generation.
+TINY = {
+    **MODEL_TINY,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.3,
+}
 
 
 def build_tiny(folder: str, family: str, **overrides):
     import transformers
 
-    cls = {
-        "llama": transformers.LlamaConfig,
-        "qwen2": transformers.Qwen2Config,
-        "qwen3": transformers.Qwen3Config,
-        "mistral": transformers.MistralConfig,
-    }[family]
     torch.manual_seed(0)
-    config = cls(**{**TINY, **overrides})
+    config = dense_config(family, {**TINY, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     model.save_pretrained(folder)
     return model

@@ -32,7 +32,8 @@ TINY = dict(
 )
 
 
-def _hf_config(family: str, overrides: dict):
+def dense_config(family: str, fields: dict):
+    """The transformers config of a dense family (llama, qwen2, qwen3, mistral) with ``fields``."""
     import transformers
 
     cls = {
@@ -41,7 +42,7 @@ def _hf_config(family: str, overrides: dict):
         "qwen3": transformers.Qwen3Config,
         "mistral": transformers.MistralConfig,
     }[family]
-    return cls(**{**TINY, **overrides})
+    return cls(**fields)
 
 
 @pytest.fixture
@@ -52,7 +53,7 @@ def make_checkpoint(tmp_path):
         from transformers import AutoModelForCausalLM
 
         torch.manual_seed(0)
-        config = _hf_config(family, overrides)
+        config = dense_config(family, {**TINY, **overrides})
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():
             for name, p in model.named_parameters():
