@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenos.layers.linear import native_bf16_matmul
+
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
@@ -27,4 +29,6 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.dtype == torch.bfloat16 and not native_bf16_matmul():
+            return F.linear(hidden.float(), self.weight.float())  # see linear._upcast_linear
         return F.linear(hidden, self.weight).float()
