@@ -137,6 +137,19 @@ class AttentionMetadata:
             self._cache[key] = mask[:, None, None, :]
         return self._cache[key]
 
+    def prefill_bias(self, i: int, window: int | None, group: int) -> torch.Tensor:
+        """float [group * query_len, seq_len]: 0 where chunk i may attend, -inf elsewhere,
+        repeated for the query heads that share a KV head (the rows of the grouped matmul)."""
+        key = ("prefill_bias", i, window, group)
+        if key not in self._cache:
+            mask = self.prefill_mask(i, window)
+            chunk = self.prefills[i]
+            if mask is None:
+                mask = torch.ones(chunk.end - chunk.start, chunk.seq_len, dtype=torch.bool).tril()
+            bias = torch.zeros(mask.shape).masked_fill_(~mask, float("-inf"))
+            self._cache[key] = bias.repeat(group, 1)
+        return self._cache[key]
+
     def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
         """bool [query_len, seq_len] for chunk i, or None when plain causal SDPA is exact."""
         chunk = self.prefills[i]
@@ -381,6 +394,7 @@ class Attention(nn.Module):
             keys, values = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
         else:
             keys, values = flat.index_select(0, rows).view(2, chunk.seq_len, *flat.shape[1:]).unbind(0)
+            return self._grouped_attention(q[chunk.start : chunk.end], keys, values, meta, i)
         mask = meta.prefill_mask(i, self.sliding_window)
         o = F.scaled_dot_product_attention(
             q[chunk.start : chunk.end].transpose(0, 1),
@@ -392,3 +406,18 @@ class Attention(nn.Module):
             enable_gqa=True,
         )
         return o.transpose(0, 1)
+
+    def _grouped_attention(
+        self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, meta: AttentionMetadata, i: int
+    ) -> torch.Tensor:
+        """A chunk after a cached prefix: masked SDPA falls back to a slow path on CPU, so do it
+        as two batched matmuls per KV head, the query heads of a KV head stacked as rows."""
+        q_len, kvh, d = q.shape[0], self.num_kv_heads, self.head_size
+        group = self.num_heads // kvh
+        # float32 throughout: exact for float32 models, and bf16 matmuls are slow on AVX2 CPUs
+        qg = q.float().view(q_len, kvh, group, d).permute(1, 2, 0, 3).reshape(kvh, group * q_len, d)
+        bias = meta.prefill_bias(i, self.sliding_window, group)
+        scores = torch.baddbmm(bias, qg, keys.float().permute(1, 2, 0), alpha=self.scale)
+        o = torch.bmm(scores.softmax(-1), values.float().transpose(0, 1))
+        o = o.view(kvh, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, self.num_heads, d)
+        return o.to(q.dtype)
