@@ -70,6 +70,14 @@ class CacheConfig:
     mamba_cache_mode: str = "align"
     # Testing / capacity override of the number of pool blocks (None: size from memory).
     num_gpu_blocks_override: int | None = None
+    # Recurrent checkpoint interval in tokens, independent of the attention page size (None: the
+    # attention page size, vLLM's behaviour). Must divide the (raised) attention block size or be
+    # a multiple of it. Use with mamba_cache_mode "all" to checkpoint every interval of a prompt;
+    # a hit between attention page boundaries copies the partial page (copy-on-write).
+    mamba_checkpoint_interval: int | None = None
+    # Also checkpoint the exact state at the end of every finished request (prompt + answer), so
+    # the next turn of a chat resumes from the whole previous turn.
+    mamba_checkpoint_at_end: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -83,3 +91,7 @@ class CacheConfig:
             _positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override)
             if self.num_gpu_blocks_override < 2:
                 raise ValueError("num_gpu_blocks_override must be at least 2 (one block is the null block).")
+        if self.mamba_checkpoint_interval is not None:
+            _positive_int("mamba_checkpoint_interval", self.mamba_checkpoint_interval)
+        if not isinstance(self.mamba_checkpoint_at_end, bool):
+            raise ValueError(f"mamba_checkpoint_at_end must be a bool, got {self.mamba_checkpoint_at_end!r}.")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
+from tokenos.core.hashing import exact_prefix_hash
 from tokenos.core.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -63,7 +64,13 @@ LAYOUTS = {
     "hybrid-all": lambda: (attn(4), mamba(4, "all"), mamba(4, "all")),
     "hybrid-none": lambda: (attn(4), mamba(4, "none")),
     "sliding+mamba": lambda: (swa(4, 5), mamba(4, "align")),
+    # Fine-grained hybrid prefix caching (end checkpoints on, see FINE_LAYOUTS): checkpoints every
+    # 4 tokens inside 8-token attention pages, or vLLM-sized intervals plus exact-end checkpoints.
+    "fine-all": lambda: (attn(8), mamba(4, "all")),
+    "fine-align": lambda: (attn(8), mamba(8, "align")),
 }
+# Layouts run with CacheConfig(mamba_checkpoint_at_end=True).
+FINE_LAYOUTS = {"fine-all", "fine-align"}
 
 
 @dataclass
@@ -117,6 +124,14 @@ class FakeWorker:
         assert set(order) == set(so.num_scheduled_tokens)
         assert sum(so.num_scheduled_tokens.values()) == so.total_num_scheduled_tokens
 
+        # 0. copy-on-write of partial prefix-hit pages (a block id into a column), first of all
+        for rid, per_group in so.prefix_page_copies.items():
+            assert rid in {n.req_id for n in so.scheduled_new_reqs}, "prefix copy for a running request"
+            for g, (src_id, dst) in per_group.items():
+                dst_id = self.reqs[rid].block_ids[g][dst]
+                assert src_id != 0 and dst_id != 0 and src_id != dst_id
+                page = self.pages.get(src_id)
+                self.pages[dst_id] = list(page) if isinstance(page, list) else page
         # 1. recurrent copies (checkpoint adoption), before anything runs
         for rid in order:
             st, k = self.reqs[rid], so.num_scheduled_tokens[rid]
@@ -227,6 +242,11 @@ class Checker:
             for i in range(start, len(req.block_hashes)):
                 self.hash_to_prefix[req.block_hashes[i]] = tuple(req.all_token_ids[: (i + 1) * h])
             self.num_hashed[rid] = len(req.block_hashes)
+            fine = self.s.kv_cache_manager.fine
+            if fine is not None and req.num_computed_tokens:  # exact end keys (any length)
+                n = req.num_computed_tokens
+                key = exact_prefix_hash(fine.hash_fn, req, n, h)
+                self.hash_to_prefix[key] = tuple(req.all_token_ids[:n])
 
     def check(self) -> None:
         kv = self.s.kv_cache_manager
@@ -239,6 +259,11 @@ class Checker:
                 for b in blocks:
                     if not b.is_null:
                         refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        if kv.fine is not None:  # copy-on-write sources are held until their request ends
+            for rid, held in kv.fine.borrowed.items():
+                assert rid in self.s.requests, f"copy sources held for a request that is gone: {rid}"
+                for b in held:
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in pool.blocks[1:]:
             assert b.ref_cnt == refs.get(b.block_id, 0), f"{b}: {refs.get(b.block_id, 0)} holders"
         for req in self.s.requests.values():
@@ -257,14 +282,28 @@ class Checker:
             assert prefix is not None, "a cached hash no request ever had"
             spec = specs[g]
             L = len(prefix)
-            assert L % spec.block_size == 0
+            fine = self.s.kv_cache_manager.fine is not None
+            assert fine or L % spec.block_size == 0
             page = self.w.pages.get(block.block_id)
             if isinstance(spec, MambaSpec):
                 assert page == state_of(list(prefix)), f"checkpoint {block} does not match its prefix"
             else:
-                B = spec.block_size
-                want = [(p, prefix[p]) for p in range(L - B, L)]
-                assert page == want, f"{block} holds {page}, its hash says {want}"
+                self._check_page_prefix(block, prefix, spec.block_size)
+        fine = self.s.kv_cache_manager.fine
+        for key, (block, generation) in (fine.sub.items() if fine is not None else ()):
+            if block.generation == generation:  # a live sub-page entry: its slots hold the prefix
+                prefix = self.hash_to_prefix.get(key[:-4])
+                assert prefix is not None, "a sub-page entry no request ever had"
+                self._check_page_prefix(block, prefix, specs[int.from_bytes(key[-4:], "big")].block_size)
+
+    def _check_page_prefix(self, block, prefix: tuple[int, ...], B: int) -> None:
+        """The page holding the end of `prefix` has its last len % B (or B) tokens in slot order."""
+        L = len(prefix)
+        r = L % B or B
+        page = self.w.pages.get(block.block_id)
+        want = [(p, prefix[p]) for p in range(L - r, L)]
+        got = page[:r] if isinstance(page, list) else page
+        assert got == want, f"{block} holds {got}, its hash says {want}"
 
     def check_all_free(self) -> None:
         pool = self.s.kv_cache_manager.block_pool

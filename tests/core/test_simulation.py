@@ -6,19 +6,21 @@ from __future__ import annotations
 import random
 
 import pytest
-from core_sim import LAYOUTS, Checker, FakeWorker, make_config, make_request, step
+from core_sim import FINE_LAYOUTS, LAYOUTS, Checker, FakeWorker, make_config, make_request, step
 
 from tokenos.config import CacheConfig, SchedulerConfig
 from tokenos.core.request import RequestStatus
 from tokenos.core.sched.scheduler import Scheduler
 
 
-def run_sim(layout, num_requests, num_blocks, seed, policy="fcfs", abort_every=0, check_every=1, budget=32):
+def run_sim(
+    layout, num_requests, num_blocks, seed, policy="fcfs", abort_every=0, check_every=1, budget=32, chat=False
+):
     rng = random.Random(seed)
     cfg = make_config(num_blocks, *LAYOUTS[layout]())
     s = Scheduler(
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, policy=policy),
-        CacheConfig(block_size=4),
+        CacheConfig(block_size=4, mamba_checkpoint_at_end=layout in FINE_LAYOUTS),
         cfg,
         max_model_len=64,
     )
@@ -38,6 +40,8 @@ def run_sim(layout, num_requests, num_blocks, seed, policy="fcfs", abort_every=0
                 cache_salt=None if rng.random() < 0.8 else "tenant-b",
             )
         )
+    made = {r.request_id: r for r in pending}
+    done: list = []
     admitted_order = []
     seen = set()
     finished = 0
@@ -45,7 +49,14 @@ def run_sim(layout, num_requests, num_blocks, seed, policy="fcfs", abort_every=0
     while pending or s.has_unfinished_requests():
         for _ in range(rng.randrange(0, 4)):
             if pending:
-                s.add_request(pending.pop(0))
+                req = pending.pop(0)
+                if chat and done and rng.random() < 0.5:
+                    # A later turn: a finished request's whole conversation plus new text.
+                    turn = rng.choice(done).all_token_ids + [rng.randrange(1, 50) for _ in range(3)]
+                    req = make_request(req.request_id, turn[:60], max_tokens=rng.randrange(1, 8),
+                                       arrival_time=req.arrival_time)
+                    made[req.request_id] = req
+                s.add_request(req)
         if abort_every and steps % abort_every == 0 and s.requests:
             victim = rng.choice(sorted(s.requests))
             s.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
@@ -55,6 +66,7 @@ def run_sim(layout, num_requests, num_blocks, seed, policy="fcfs", abort_every=0
                 seen.add(new.req_id)
                 admitted_order.append(int(new.req_id[1:]))
         finished += sum(o.finished for o in outs)
+        done.extend(made[o.request_id] for o in outs if o.finished)
         steps += 1
         assert steps < 50 * num_requests, "the simulation does not make progress"
     checker.check()
@@ -82,3 +94,11 @@ def test_sim_thousands_of_requests_with_aborts():
 def test_sim_priority_policy_hybrid():
     s, _, finished = run_sim("hybrid-align", num_requests=300, num_blocks=30, seed=3, policy="priority")
     assert finished == 300
+
+
+@pytest.mark.parametrize("layout", sorted(FINE_LAYOUTS))
+def test_sim_fine_grained_chat(layout):
+    """Multi-turn prompts (an earlier request's conversation plus new text) with exact-end checkpoints
+    and sub-page hits: every copy-on-write page and resumed state is checked by the fake worker."""
+    s, _, finished = run_sim(layout, num_requests=200, num_blocks=60, seed=11, chat=True, abort_every=9)
+    assert s.make_stats()["prefix_cache_hits"] > 0

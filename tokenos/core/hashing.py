@@ -118,3 +118,18 @@ def make_block_hasher(hash_block_size: int, hash_fn: HashFn) -> Callable[[Reques
 
     hasher.hash_block_size = hash_block_size  # type: ignore[attr-defined]
     return hasher
+
+
+def exact_prefix_hash(
+    hash_fn: HashFn, request: Request, length: int, hash_block_size: int
+) -> BlockHash:
+    """Key of the prefix `all_token_ids[:length]` for any length: the hash-block hash when `length`
+    is on the hash grid, else H(last grid hash, the tail tokens) (distinct from every grid hash,
+    since the token count is part of the encoding). Used for end-of-request checkpoints."""
+    i, tail = divmod(length, hash_block_size)
+    if not tail:
+        return request.block_hashes[i - 1]
+    parent = request.block_hashes[i - 1] if i else None
+    tokens = request.all_token_ids[i * hash_block_size : length]
+    extra = block_extra_keys(i, request.cache_salt, request.adapter_id)
+    return hash_block_tokens(hash_fn, parent, tokens, extra)

@@ -45,6 +45,17 @@ COLUMN ("none" mode: s = 0, and the list always holds exactly one block).
    state after b tokens to page `block_ids[g][j]` (one checkpoint per block).
 The scheduler publishes a recurrent page as a checkpoint only after `update_from_output` saw
 the step that wrote it, and never gives a published page out as a running page.
+
+Copy-on-write prefix pages (only with fine-grained hybrid prefix caching on, see
+`tokenos.core.kv_cache.fine_prefix`; otherwise always empty). A new request whose prefix hit h
+is not a page boundary of some group g gets, in `prefix_page_copies[req_id][g] = (src, dst)`, a
+source BLOCK ID `src` (a shared page that is NOT in its block list; the scheduler keeps it alive
+until the request ends) and a COLUMN `dst` of its own list (a fresh private page). Before
+anything else in the step (before `mamba_state_copies`), copy the whole page `src` into page
+`block_ids[g][dst]` for every layer of group g: attention K/V (slots [0, h % B) are the prefix;
+the rest is overwritten by this request before it is read) or every recurrent state (the state
+after h tokens; then rule 1 above moves it on as usual). Sources are read before any write of
+the step, like every copy.
 """
 
 from __future__ import annotations
@@ -113,6 +124,9 @@ class SchedulerOutput:
     # Recurrent-state groups: req_id -> (group id -> (src, dst) indices into that group's block
     # list): copy page src into page dst before computing (see the module docstring).
     mamba_state_copies: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    # Copy-on-write of partial prefix-hit pages: req_id -> (group id -> (src BLOCK id, dst column
+    # index)): copy page src into page block_ids[g][dst] first of all (see the module docstring).
+    prefix_page_copies: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- worker -> scheduler

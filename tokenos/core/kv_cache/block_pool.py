@@ -35,11 +35,13 @@ def group_key(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "is_null")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free", "is_null", "generation")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_cnt = 0
+        # Bumped each time the block is handed out: (block, generation) names one content.
+        self.generation = 0
         self.block_hash: BlockHashWithGroupId | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
@@ -220,6 +222,7 @@ class BlockPool:
                 self.cached_block_hash_to_block.pop(b.block_hash, b.block_id)
                 b.block_hash = None
             b.ref_cnt = 1
+            b.generation += 1
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:

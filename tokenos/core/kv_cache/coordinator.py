@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tokenos.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from tokenos.core.kv_cache.fine_prefix import FinePrefixCache
 from tokenos.core.kv_cache.single_type_manager import (
     FullAttentionManager,
     MambaManager,
@@ -40,6 +41,8 @@ _SEARCH_ORDER = {FullAttentionManager: 0, SlidingWindowManager: 1, MambaManager:
 class KVCacheCoordinator:
     def __init__(self, kv_cache_config: KVCacheConfig, enable_caching: bool) -> None:
         self.config = kv_cache_config
+        # Fine-grained hybrid hits (see fine_prefix.py); attached by KVCacheManager when enabled.
+        self.fine: FinePrefixCache | None = None
         self.block_pool = BlockPool(kv_cache_config.num_blocks, enable_caching)
         hbs = kv_cache_config.hash_block_size
         self.managers: tuple[SingleTypeKVCacheManager, ...] = tuple(
@@ -100,16 +103,21 @@ class KVCacheCoordinator:
     ) -> int:
         if new_computed_blocks is None:
             return sum(m.get_num_blocks_to_allocate(request_id, num_tokens, ()) for m in self.managers)
-        return sum(
+        need = sum(
             m.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
             for m, blocks in zip(self.managers, new_computed_blocks, strict=True)
         )
+        if self.fine is not None:
+            need += self.fine.extra_blocks(new_computed_blocks)
+        return need
 
     def save_new_computed_blocks(
         self, request_id: str, new_computed_blocks: tuple[list[KVCacheBlock], ...]
     ) -> None:
         for m, blocks in zip(self.managers, new_computed_blocks, strict=True):
             m.save_new_computed_blocks(request_id, blocks)
+        if self.fine is not None:
+            self.fine.adopt(request_id, new_computed_blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
@@ -123,6 +131,8 @@ class KVCacheCoordinator:
         """Publish recurrent checkpoints reached by steps that have run."""
         for m in self.recurrent:
             m.cache_blocks(request, request.num_computed_tokens)
+        if self.fine is not None:
+            self.fine.after_step(request)
 
     def uncache_blocks_from(self, request: Request, num_tokens: int) -> None:
         for m in self.eager_cachers:
@@ -157,6 +167,8 @@ class KVCacheCoordinator:
     def free(self, request_id: str) -> None:
         for m in self.managers:
             m.free(request_id)
+        if self.fine is not None:
+            self.fine.free(request_id)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(m.get_block_ids(request_id) for m in self.managers)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from tokenos.core.hashing import get_hash_fn, make_block_hasher
 from tokenos.core.kv_cache.block_pool import KVCacheBlock
 from tokenos.core.kv_cache.coordinator import KVCacheCoordinator
+from tokenos.core.kv_cache.fine_prefix import FinePrefixCache
 from tokenos.core.kv_cache.spec import KVCacheConfig
 from tokenos.core.request import Request
 
@@ -26,6 +27,7 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         hash_algo: str = "sha256",
+        checkpoint_at_end: bool = False,
     ) -> None:
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
@@ -34,6 +36,8 @@ class KVCacheManager:
         self.block_pool = self.coordinator.block_pool
         self.num_groups = self.coordinator.num_groups
         self.block_hasher = make_block_hasher(kv_cache_config.hash_block_size, get_hash_fn(hash_algo))
+        self.fine = self._make_fine(kv_cache_config, get_hash_fn(hash_algo), checkpoint_at_end)
+        self.coordinator.fine = self.fine
         self.has_recurrent_caching = self.enable_caching and bool(self.coordinator.recurrent)
         self.has_recurrent = bool(self.coordinator.recurrent)
         self.has_skipping = bool(self.coordinator.skippers)
@@ -44,6 +48,19 @@ class KVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
+    def _make_fine(self, config: KVCacheConfig, hash_fn, checkpoint_at_end: bool) -> FinePrefixCache | None:
+        """Fine-grained hybrid hits, only when asked for: end checkpoints, or a recurrent
+        checkpoint interval different from the attention page size (else: vLLM's behaviour)."""
+        coord = self.coordinator
+        if not self.enable_caching or not coord.recurrent:
+            return None
+        sizes = {m.block_size for m in coord.managers}
+        if not checkpoint_at_end and len(sizes) == 1:
+            return None
+        return FinePrefixCache(
+            coord.managers, self.block_pool, config.hash_block_size, hash_fn, checkpoint_at_end
+        )
+
     @property
     def usage(self) -> float:
         return self.block_pool.get_usage()
@@ -52,7 +69,11 @@ class KVCacheManager:
         """Cached blocks per group for the request's longest usable prefix, and its length."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return self.empty_blocks, 0
-        blocks, hit = self.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
+        max_length = request.num_tokens - 1
+        if self.fine is not None:
+            blocks, hit = self.fine.find(request, max_length)
+        else:
+            blocks, hit = self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += hit
         return blocks, hit
@@ -111,6 +132,15 @@ class KVCacheManager:
         if not self.has_recurrent:
             return None
         return self.coordinator.state_copies(num_computed_tokens, num_tokens)
+
+    def take_prefix_page_copies(self, request: Request) -> dict[int, tuple[int, int]] | None:
+        """Copy-on-write copies the request's prefix hit needs before its first step."""
+        return self.fine.take_copies(request.request_id) if self.fine is not None else None
+
+    def publish_end_checkpoint(self, request: Request) -> None:
+        """A request finished normally: publish its exact end state (when enabled)."""
+        if self.fine is not None:
+            self.fine.publish_end(request)
 
     def free(self, request: Request) -> None:
         self._horizon.pop(request.request_id, None)

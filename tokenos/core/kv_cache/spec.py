@@ -10,7 +10,10 @@ owned by at most one group (and one or more requests sharing a prefix) at a time
 mixing attention and recurrent layers the page sizes are unified: the attention block size is
 raised to a multiple of 16 until one attention page holds at least one recurrent state, then the
 recurrent page is padded to the same byte size (and its checkpoint interval set to the attention
-block size, so every group has a block boundary at the same token positions).
+block size, so every group has a block boundary at the same token positions). Opt-in,
+`mamba_checkpoint_interval` then sets the recurrent block size (the checkpoint interval, in tokens)
+to a divisor or multiple of the attention block size: the page stays one size in bytes, and hits
+between attention page boundaries copy the partial page (`tokenos.core.kv_cache.fine_prefix`).
 
 Three block sizes, kept apart on purpose (mixing them up is a known source of silent bugs):
 - kernel block size: tokens per attention page, `spec.block_size` of an attention group; the
@@ -270,6 +273,30 @@ def unify_page_sizes(specs: list[KVCacheSpec]) -> dict[KVCacheSpec, KVCacheSpec]
     return out
 
 
+def set_checkpoint_interval(
+    unified: dict[KVCacheSpec, KVCacheSpec], interval: int
+) -> dict[KVCacheSpec, KVCacheSpec]:
+    """Give every MambaSpec the checkpoint interval `interval` (its block size) while the page stays
+    the attention page: the interval is a token count, the page a byte size, so they are independent.
+
+    The interval must divide the attention block size or be a multiple of it, so that every
+    interval boundary is a hash-block boundary and `hash_block_size` = gcd stays a useful grain.
+    """
+    if interval < 1:
+        raise ValueError(f"mamba_checkpoint_interval must be >= 1, got {interval}.")
+    attn_sizes = {s.block_size for s in unified.values() if isinstance(s, AttentionSpec)}
+    for b in attn_sizes:
+        if b % interval and interval % b:
+            raise ValueError(
+                f"mamba_checkpoint_interval={interval} neither divides nor is a multiple of the "
+                f"attention block size {b} (raised so a page holds a recurrent state); pick e.g. "
+                f"{math.gcd(b, interval) or b}."
+            )
+    return {
+        k: replace(s, block_size=interval) if isinstance(s, MambaSpec) else s for k, s in unified.items()
+    }
+
+
 def group_layers(layer_specs: dict[str, KVCacheSpec]) -> tuple[list[KVCacheGroupSpec], list[list[str]]]:
     """Groups of equal-spec layers, and for each shared buffer the layers (one per group) viewing it.
 
@@ -300,17 +327,22 @@ def get_kv_cache_config(
     num_blocks: int | None,
     max_model_len: int,
     max_num_batched_tokens: int | None = None,
+    mamba_checkpoint_interval: int | None = None,
 ) -> KVCacheConfig:
     """Group the layers, unify page sizes and size the pool.
 
     `num_blocks` wins over `available_memory_bytes` when both are given. Raises ValueError when
     the pool cannot hold one request of `max_model_len` tokens (plus the null block).
+    `mamba_checkpoint_interval` (None: the unified attention block size) decouples the recurrent
+    checkpoint interval from the attention page size, see `set_checkpoint_interval`.
     """
     if not layer_specs:
         raise ValueError("the model declared no KV-cache layers.")
     if max_model_len < 1:
         raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
     unified = unify_page_sizes(list(dict.fromkeys(layer_specs.values())))
+    if mamba_checkpoint_interval is not None:
+        unified = set_checkpoint_interval(unified, mamba_checkpoint_interval)
     groups, shared = group_layers({name: unified[spec] for name, spec in layer_specs.items()})
     page = groups[0].kv_cache_spec.page_size_bytes
     bytes_per_block = page * len(shared)

@@ -76,6 +76,7 @@ class Scheduler:
             max_model_len,
             enable_caching=cache_config.enable_prefix_caching,
             hash_algo=cache_config.hash_algo,
+            checkpoint_at_end=cache_config.mamba_checkpoint_at_end,
         )
         kv = self.kv_cache_manager
         self.alignment = kv_cache_config.scheduler_alignment if kv.enable_caching else 1
@@ -186,6 +187,7 @@ class Scheduler:
         running_new_ids: dict[str, tuple] = {}
         running_removed: dict[str, tuple] = {}
         copies: dict[str, dict[int, tuple[int, int]]] = {}
+        page_copies: dict[str, dict[int, tuple[int, int]]] = {}
         preempted: set[str] = set()
         new_reqs: list[Request] = []
         has_skipping, has_recurrent = kv.has_skipping, kv.has_recurrent
@@ -270,6 +272,9 @@ class Scheduler:
                     c = kv.state_copies(num_hit, num_hit + num_new)
                     if c:
                         copies[req.request_id] = c
+                    c = kv.take_prefix_page_copies(req)
+                    if c:
+                        page_copies[req.request_id] = c
                 num_scheduled[req.request_id] = num_new
                 new_reqs.append(req)
                 budget -= num_new
@@ -309,6 +314,7 @@ class Scheduler:
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids=preempted,
             mamba_state_copies=copies,
+            prefix_page_copies=page_copies,
         )
         self.finished_req_ids = set()
         return out
@@ -401,6 +407,8 @@ class Scheduler:
                 )
             if finished:
                 any_finished = True
+                if cache_recurrent:
+                    kv.publish_end_checkpoint(req)
                 self._free_request(req)
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]

@@ -1,0 +1,126 @@
+"""Fine-grained hybrid prefix caching (tokenos/core/kv_cache/fine_prefix.py): a checkpoint interval
+independent of the attention page, sub-page hits with copy-on-write, exact end-of-request checkpoints.
+Driven through the real scheduler and the contract-checking fake worker."""
+
+from __future__ import annotations
+
+import pytest
+from core_sim import Checker, FakeWorker, attn, make_config, make_request, mamba, step
+
+from tokenos.config import CacheConfig, SchedulerConfig
+from tokenos.core.kv_cache.spec import FullAttentionSpec, MambaSpec, get_kv_cache_config
+from tokenos.core.sched.scheduler import Scheduler
+
+
+def make(*specs, at_end: bool = False, num_blocks: int = 64, budget: int = 64):
+    cfg = make_config(num_blocks, *specs)
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8),
+        CacheConfig(block_size=8, mamba_checkpoint_at_end=at_end),
+        cfg,
+        max_model_len=128,
+    )
+    w = FakeWorker(cfg)
+    return s, w, Checker(s, w)
+
+
+def run_one(s, w, checker, req):
+    """Run `req` alone to the end; returns the first step's SchedulerOutput."""
+    s.add_request(req)
+    first = None
+    while s.has_unfinished_requests():
+        so, _ = step(s, w, checker)
+        first = first or so
+    return first
+
+
+def test_interval_is_independent_of_the_attention_page() -> None:
+    specs = {"a": FullAttentionSpec(16, 1, 8, "float32"), "m": MambaSpec(((3, 8),), ("float32",), 16)}
+    cfg = get_kv_cache_config(specs, available_memory_bytes=None, num_blocks=64, max_model_len=64,
+                              mamba_checkpoint_interval=4)
+    assert cfg.kernel_block_sizes == [16, 4]
+    assert cfg.hash_block_size == 4 and cfg.scheduler_alignment == 4
+    pages = {g.kv_cache_spec.page_size_bytes for g in cfg.kv_cache_groups}
+    assert len(pages) == 1  # the interval is tokens, the page bytes: one pool still
+    with pytest.raises(ValueError, match="neither divides"):
+        get_kv_cache_config(specs, available_memory_bytes=None, num_blocks=64, max_model_len=64,
+                            mamba_checkpoint_interval=6)
+
+
+def test_default_is_unchanged() -> None:
+    s, w, checker = make(attn(8), mamba(8, "align"))
+    assert s.kv_cache_manager.fine is None
+    so = run_one(s, w, checker, make_request("a", list(range(1, 20))))
+    assert so.prefix_page_copies == {}
+
+
+def test_sub_page_hit_copies_the_partial_page() -> None:
+    """Checkpoints every 4 tokens in 8-token pages: a prompt sharing 14 tokens resumes at 12, sharing
+    page 0 and copying the first 4 slots of page 1 (copy-on-write) from the first request's page."""
+    s, w, checker = make(attn(8), mamba(4, "all"))
+    shared = list(range(1, 15))
+    run_one(s, w, checker, make_request("a", shared + [40, 41, 42], max_tokens=2))
+    so = run_one(s, w, checker, make_request("b", shared + [30, 31], max_tokens=2))
+    new = so.scheduled_new_reqs[0]
+    assert new.num_computed_tokens == 12
+    src, dst = so.prefix_page_copies["b"][0]
+    assert dst == 1 and src != new.block_ids[0][1]
+    assert 1 not in so.prefix_page_copies["b"]  # 12 is an interval boundary: no recurrent copy
+    checker.check_all_free()
+    assert s.make_stats()["prefix_cache_hits"] == 12
+
+
+def test_source_page_is_held_until_the_request_ends() -> None:
+    s, w, checker = make(attn(8), mamba(4, "all"))
+    shared = list(range(1, 15))
+    run_one(s, w, checker, make_request("a", shared + [40], max_tokens=1))
+    s.add_request(make_request("b", shared + [30, 31, 32], max_tokens=4))
+    so, _ = step(s, w, checker)
+    src, _ = so.prefix_page_copies["b"][0]
+    assert s.kv_cache_manager.block_pool.blocks[src].ref_cnt == 1  # borrowed, in no block list
+    while s.has_unfinished_requests():
+        step(s, w, checker)
+    assert s.kv_cache_manager.block_pool.blocks[src].ref_cnt == 0
+    checker.check_all_free()
+
+
+@pytest.mark.parametrize("mode", ["align", "all"])
+def test_exact_end_checkpoint_resumes_the_next_turn(mode) -> None:
+    """Turn 2 = turn 1's prompt + answer + new text resumes at turn 1's last computed token
+    (prompt + answer - 1: the last sampled token was never fed back), off every block boundary."""
+    s, w, checker = make(attn(8), mamba(8 if mode == "align" else 4, mode), at_end=True)
+    turn1 = make_request("t1", list(range(1, 12)), max_tokens=4)
+    run_one(s, w, checker, turn1)
+    end = turn1.num_tokens - 1
+    assert end % 4
+    turn2 = make_request("t2", turn1.all_token_ids + [45, 46], max_tokens=4)
+    so = run_one(s, w, checker, turn2)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == end
+    assert set(so.prefix_page_copies["t2"]) == {0, 1}  # partial attention page and mid-column state
+    turn3 = make_request("t3", turn2.all_token_ids + [47], max_tokens=3)
+    so = run_one(s, w, checker, turn3)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == turn2.num_tokens - 1
+    checker.check_all_free()
+
+
+def test_end_checkpoint_needs_the_flag() -> None:
+    s, w, checker = make(attn(8), mamba(4, "all"))
+    turn1 = make_request("t1", list(range(1, 12)), max_tokens=4)
+    run_one(s, w, checker, turn1)
+    so = run_one(s, w, checker, make_request("t2", turn1.all_token_ids + [45], max_tokens=1))
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 12  # the last interval boundary only
+
+
+def test_preempted_request_resumes_from_its_checkpoint() -> None:
+    """A preempted request comes back at its latest surviving checkpoint, not at zero."""
+    s, w, checker = make(attn(8), mamba(4, "all"), num_blocks=24, budget=8)
+    reqs = [make_request(f"r{i}", [i + 1] * 3 + list(range(10 + i, 35 + i)), max_tokens=12) for i in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    resumed = []
+    while s.has_unfinished_requests():
+        so, _ = step(s, w, checker)
+        resumed += [n.num_computed_tokens for n in so.scheduled_new_reqs if n.output_token_ids]
+    assert s.num_preemptions > 0
+    assert resumed and max(resumed) > 0
+    checker.check_all_free()
