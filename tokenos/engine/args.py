@@ -39,6 +39,8 @@ class EngineArgs:
     mamba_cache_mode: str = (
         "align"  # recurrent-state checkpoints: "align" (running + previous page) or "none"
     )
+    mamba_checkpoint_interval: int | None = None  # recurrent checkpoint interval (None: page size)
+    mamba_checkpoint_at_end: bool = False  # checkpoint the exact end of every finished request
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
     long_prefill_token_threshold: int = 0
@@ -68,6 +70,8 @@ class EngineArgs:
             enable_prefix_caching=self.enable_prefix_caching,
             hash_algo=self.prefix_caching_hash_algo,
             mamba_cache_mode=self.mamba_cache_mode,
+            mamba_checkpoint_interval=self.mamba_checkpoint_interval,
+            mamba_checkpoint_at_end=self.mamba_checkpoint_at_end,
         )
         return model_config, scheduler_config, cache_config
 

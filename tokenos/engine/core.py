@@ -42,6 +42,7 @@ class EngineCore:
             available_memory_bytes=None if args.num_kv_blocks else args.resolved_kv_cache_memory_bytes,
             num_blocks=args.num_kv_blocks,
             max_model_len=model_config.max_model_len,
+            mamba_checkpoint_interval=cache_config.mamba_checkpoint_interval,
         )
         self.model_runner.initialize_kv_cache(self.kv_cache_config)
         self.scheduler = Scheduler(

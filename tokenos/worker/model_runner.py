@@ -24,7 +24,13 @@ from tokenos.models.hybrid import HybridMetadata
 from tokenos.sample.sampler import Sampler, compute_prompt_logprobs
 from tokenos.worker.input_batch import CachedRequestState, InputBatch
 from tokenos.worker.kv_cache import allocate_kv_caches
-from tokenos.worker.recurrent import apply_state_copies, build_recurrent_batch, group_layer_indices
+from tokenos.worker.recurrent import (
+    apply_prefix_page_copies,
+    apply_state_copies,
+    boundary_pages,
+    build_recurrent_batch,
+    group_layer_indices,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +76,6 @@ class ModelRunner:
         self.group_layer_names = [list(grp.layer_names) for grp in kv_cache_config.kv_cache_groups]
         self.recurrent_groups = group_layer_indices(kv_cache_config, list(specs))
         self.is_hybrid = bool(getattr(self.model, "is_hybrid", False))
-        if self.recurrent_groups and self.mamba_cache_mode == "all":
-            raise ValueError('mamba_cache_mode "all" is not wired into the model runner yet; use "align".')
         max_blocks = [-(-self.max_model_len // bs) for bs in self.group_block_sizes]
         self.input_batch = InputBatch(
             self.max_num_seqs, self.max_model_len, max_blocks, self.model_config.vocab_size
@@ -154,6 +158,15 @@ class ModelRunner:
         positions = np.repeat(num_computed, num_sched) + offsets
         input_ids = batch.token_ids[rows, positions]
 
+        if so.prefix_page_copies:  # copy-on-write of partial prefix-hit pages, before anything else
+            layer_group = self.layer_group
+            layers_of = {g: [i for i, lg in enumerate(layer_group) if lg == g] for g in set(layer_group)}
+            apply_prefix_page_copies(
+                so.prefix_page_copies,
+                lambda req_id, g: self.requests[req_id].block_ids[g],
+                layers_of,
+                self.kv_caches,
+            )
         if so.mamba_state_copies:
             apply_state_copies(
                 so.mamba_state_copies,
@@ -234,7 +247,11 @@ class ModelRunner:
             columns = np.maximum(num_computed + num_sched - 1, 0) // block_size
         running = table.table[np.arange(n), columns].astype(np.int64)
         qsl = np.concatenate(([0], np.cumsum(num_sched)))
-        return build_recurrent_batch(qsl, num_computed, num_sched, running)
+        if self.mamba_cache_mode != "all":
+            return build_recurrent_batch(qsl, num_computed, num_sched, running)
+        # "all": also write the state at every block boundary crossed to that column's page.
+        pages = boundary_pages(table.table[:n], num_computed, num_sched, block_size)
+        return build_recurrent_batch(qsl, num_computed, num_sched, running, pages, block_size)
 
     def _attention_metadata(
         self,

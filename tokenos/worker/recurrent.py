@@ -17,6 +17,15 @@ per-request block lists) and ``group_layer_indices`` (group id -> indices into t
 "all" mode also writes the state after every block boundary ``b`` (``n < b <= n + k``) to page
 ``block_ids[b // B - 1]``: pass ``boundary_pages(...)`` and the block size to ``build_recurrent_batch``;
 the layers write them from the same scan (``tokenos.models.hybrid.CheckpointingBatch``).
+
+``apply_prefix_page_copies`` runs first of all: the copy-on-write of prefix-hit pages that are not on a
+page boundary (``SchedulerOutput.prefix_page_copies``; attention or recurrent groups alike: a whole-page
+copy from a source block id into a column of the request's list).
+
+Rollback (speculative decoding): recurrent state cannot be truncated like attention K/V. ``rollback``
+restores the running page from a checkpoint page (``restore_checkpoint``) and re-advances ONLY the accepted
+tokens from there (``readvance_batch`` is the one-request batch that does it), so rejected draft tokens
+leave no trace in the state.
 """
 
 from __future__ import annotations
@@ -147,6 +156,81 @@ def apply_state_copies(
                 # index_select materializes the sources before any destination is written.
                 pool.index_copy_(0, dst_idx, pool.index_select(0, src_idx))
     return sum(len(s) for s, _ in pages.values())
+
+
+def _pools(cache) -> list[torch.Tensor]:
+    """The page-indexed tensors of one layer's cache: an attention tensor, or its list of state pools."""
+    return list(cache) if isinstance(cache, list | tuple) else [cache]
+
+
+def apply_prefix_page_copies(
+    copies: dict[str, dict[int, tuple[int, int]]],
+    block_ids_of: Callable[[str, int], Sequence[int]],
+    group_layers: dict[int, list[int]],
+    kv_caches: list,
+) -> int:
+    """Copy page ``src`` (a block id) into page ``block_ids_of(req, g)[dst]`` for every layer of group g.
+
+    ``copies`` is ``SchedulerOutput.prefix_page_copies`` (req_id -> group id -> (src block id, dst column));
+    ``group_layers[g]`` lists the indices into ``kv_caches`` of group g's layers, attention or recurrent.
+    Run after the block lists are updated and before ``apply_state_copies``. Returns the pages copied.
+    """
+    pages: dict[int, tuple[list[int], list[int]]] = {}
+    for req_id, per_group in copies.items():
+        for g, (src_page, dst) in per_group.items():
+            dst_page = block_ids_of(req_id, g)[dst]
+            if NULL_BLOCK in (src_page, dst_page):
+                raise ValueError(f"request {req_id!r} group {g}: prefix page copy touches the null block")
+            srcs, dsts = pages.setdefault(g, ([], []))
+            srcs.append(src_page)
+            dsts.append(dst_page)
+    for g, (srcs, dsts) in pages.items():
+        src_idx, dst_idx = torch.tensor(srcs), torch.tensor(dsts)
+        for i in group_layers[g]:
+            for pool in _pools(kv_caches[i]):
+                pool.index_copy_(0, dst_idx, pool.index_select(0, src_idx))
+    return sum(len(s) for s, _ in pages.values())
+
+
+def restore_checkpoint(layer_caches: Sequence, checkpoint_page: int, running_page: int) -> None:
+    """Overwrite every state of ``running_page`` with the checkpoint in ``checkpoint_page`` (all layers
+    of one recurrent group: each entry of ``layer_caches`` is a layer's list of state pools)."""
+    if NULL_BLOCK in (checkpoint_page, running_page):
+        raise ValueError("restore_checkpoint: the checkpoint or running page is the null block")
+    if checkpoint_page == running_page:
+        return
+    for cache in layer_caches:
+        for pool in _pools(cache):
+            pool[running_page].copy_(pool[checkpoint_page])
+
+
+def readvance_batch(num_checkpoint_tokens: int, num_accepted: int, running_page: int) -> RecurrentBatch:
+    """The one-request batch that advances ``num_accepted`` tokens from the state after
+    ``num_checkpoint_tokens`` tokens held in ``running_page`` (zeros when that count is 0)."""
+    return build_recurrent_batch(
+        np.array([0, num_accepted]),
+        np.array([num_checkpoint_tokens]),
+        np.array([num_accepted]),
+        np.array([running_page]),
+    )
+
+
+def rollback(
+    layer_caches: Sequence,
+    checkpoint_page: int,
+    running_page: int,
+    num_checkpoint_tokens: int,
+    accepted_inputs: torch.Tensor,
+    advance: Callable[[torch.Tensor, RecurrentBatch], torch.Tensor],
+) -> torch.Tensor:
+    """Speculative-decoding rollback: restore the checkpoint into the running page, then re-advance only
+    the accepted tokens (``advance(inputs, batch)`` runs the group's layers, e.g. a model forward, and
+    writes the new state into ``running_page``). Returns what ``advance`` returns (their outputs)."""
+    restore_checkpoint(layer_caches, checkpoint_page, running_page)
+    if len(accepted_inputs) == 0:
+        return accepted_inputs
+    batch = readvance_batch(num_checkpoint_tokens, len(accepted_inputs), running_page)
+    return advance(accepted_inputs, batch)
 
 
 def group_layer_indices(config: KVCacheConfig, layer_order: list[str]) -> dict[int, list[int]]:
