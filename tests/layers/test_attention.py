@@ -68,7 +68,11 @@ def decode_path(request, monkeypatch):
 
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("padded_pages", [False, True])
-def test_paged_attention_matches_dense(window, padded_pages, decode_path):
+@pytest.mark.parametrize("tile", [256, 5])
+def test_paged_attention_matches_dense(window, padded_pages, tile, decode_path, monkeypatch):
+    import tokenos.layers.attention as attention
+
+    monkeypatch.setattr(attention, "PREFILL_QUERY_TILE", tile)  # 5: chunks span several query tiles
     torch.manual_seed(0)
     rng = random.Random(0)
     block_size, num_blocks = 4, 80
