@@ -69,6 +69,51 @@ static inline void axpy(float *restrict y, float p, const float *restrict x, int
     for (int i = 0; i < d; i++) y[i] += p * x[i];
 }
 
+
+/* Scores of up to 4 query heads against one key (the heads sharing a KV head): the key is
+ * loaded once per 8 lanes and feeds every head's accumulator. */
+static inline void dot_group(const float *restrict q, int64_t q_stride, int g, const float *restrict k,
+                             int d, float scale, float *restrict out, int64_t out_stride) {
+#ifdef __AVX2__
+    if ((d & 7) == 0 && g <= 4) {
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int i = 0; i < d; i += 8) {
+            __m256 kv = _mm256_loadu_ps(k + i);
+            for (int h = 0; h < g; h++)
+                acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * q_stride + i), kv, acc[h]);
+        }
+        for (int h = 0; h < g; h++) {
+            __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc[h]), _mm256_extractf128_ps(acc[h], 1));
+            lo = _mm_hadd_ps(lo, lo);
+            lo = _mm_hadd_ps(lo, lo);
+            out[h * out_stride] = _mm_cvtss_f32(lo) * scale;
+        }
+        return;
+    }
+#endif
+    for (int h = 0; h < g; h++) out[h * out_stride] = dot(q + h * q_stride, k, d) * scale;
+}
+
+/* o_h += p_h * v for up to 4 heads sharing one value row, loading v once per 8 lanes. */
+static inline void axpy_group(float *restrict o, int64_t o_stride, int g, const float *restrict p,
+                              int64_t p_stride, const float *restrict v, int d) {
+#ifdef __AVX2__
+    if ((d & 7) == 0 && g <= 4) {
+        __m256 ps[4];
+        for (int h = 0; h < g; h++) ps[h] = _mm256_set1_ps(p[h * p_stride]);
+        for (int i = 0; i < d; i += 8) {
+            __m256 vv = _mm256_loadu_ps(v + i);
+            for (int h = 0; h < g; h++) {
+                float *oh = o + h * o_stride + i;
+                _mm256_storeu_ps(oh, _mm256_fmadd_ps(ps[h], vv, _mm256_loadu_ps(oh)));
+            }
+        }
+        return;
+    }
+#endif
+    for (int h = 0; h < g; h++) axpy(o + h * o_stride, p[h * p_stride], v, d);
+}
+
 #define DEFINE_DECODE(NAME, T, ROW)                                                             \
 void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,                 \
           const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,   \
@@ -96,10 +141,11 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
                              + (int64_t)(pos % block_size) * row;                               \
                 for (int kh = 0; kh < num_kv_heads; kh++) {                                     \
                     const float *kv = ROW(k + (int64_t)kh * head_size, buf, head_size);         \
-                    for (int g = 0; g < group; g++) {                                           \
-                        const int h = kh * group + g;                                           \
-                        scores[(int64_t)h * n + i] =                                            \
-                            dot(qr + (int64_t)h * head_size, kv, head_size) * scale;            \
+                    for (int g0 = 0; g0 < group; g0 += 4) {                                     \
+                        const int h = kh * group + g0;                                          \
+                        const int gn = group - g0 < 4 ? group - g0 : 4;                         \
+                        dot_group(qr + (int64_t)h * head_size, head_size, gn, kv, head_size,    \
+                                  scale, scores + (int64_t)h * n + i, n);                       \
                     }                                                                           \
                 }                                                                               \
             }                                                                                   \
@@ -120,10 +166,11 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
                              + v_offset + (int64_t)(pos % block_size) * row;                    \
                 for (int kh = 0; kh < num_kv_heads; kh++) {                                     \
                     const float *vv = ROW(v + (int64_t)kh * head_size, buf, head_size);         \
-                    for (int g = 0; g < group; g++) {                                           \
-                        const int h = kh * group + g;                                           \
-                        axpy(o + (int64_t)h * head_size, scores[(int64_t)h * n + i], vv,        \
-                             head_size);                                                        \
+                    for (int g0 = 0; g0 < group; g0 += 4) {                                     \
+                        const int h = kh * group + g0;                                          \
+                        const int gn = group - g0 < 4 ? group - g0 : 4;                         \
+                        axpy_group(o + (int64_t)h * head_size, head_size, gn,                   \
+                                   scores + (int64_t)h * n + i, n, vv, head_size);              \
                     }                                                                           \
                 }                                                                               \
             }                                                                                   \
