@@ -60,11 +60,15 @@ def write_checkpoints(root: str, max_len: int) -> dict[str, str]:
 
 
 def bytes_per_request(llm, context: int) -> int:
+    """Pool bytes one request of `context` tokens holds: its blocks in every group, each block
+    being one page in each of the pool's buffers (a buffer is shared by one layer per group)."""
     config = llm.engine.kv_cache_config
-    page = max(g.kv_cache_spec.page_size_bytes for g in config.kv_cache_groups)
-    return page * sum(
-        -(-g.kv_cache_spec.max_memory_usage_bytes(context) // page) for g in config.kv_cache_groups
+    page = config.kv_cache_tensors[0].size_bytes // config.num_blocks
+    blocks = sum(
+        -(-g.kv_cache_spec.max_memory_usage_bytes(context) // g.kv_cache_spec.page_size_bytes)
+        for g in config.kv_cache_groups
     )
+    return blocks * page * len(config.kv_cache_tensors)
 
 
 def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> float:
@@ -77,6 +81,8 @@ def timed_generate(llm, prompts: list[list[int]], max_tokens: int) -> float:
 
 
 def measure_context(path: str, context: int, batch: int, new_tokens: int, seed: int) -> dict:
+    """Prefill `batch` prompts of `context` tokens, then time decoding alone: the same prompts
+    again hit the prefix cache (all but at most one block), so the second run is the decode."""
     from tokenos import LLM
 
     rng = random.Random(seed)
@@ -85,18 +91,16 @@ def measure_context(path: str, context: int, batch: int, new_tokens: int, seed: 
         dtype="float32",
         skip_tokenizer_init=True,
         max_model_len=context + new_tokens + 8,
-        enable_prefix_caching=False,
         max_num_batched_tokens=2048,
     )
     prompts = [[rng.randrange(3, 4096) for _ in range(context)] for _ in range(batch)]
     prefill = timed_generate(llm, prompts, 1)
-    total = timed_generate(llm, prompts, new_tokens + 1)
-    decode_s = max(total - prefill, 1e-9)
+    decode = timed_generate(llm, prompts, new_tokens + 1)
     return {
         "context": context,
         "batch": batch,
         "prefill_s": round(prefill, 2),
-        "decode_tok_s": round(batch * new_tokens / decode_s, 1),
+        "decode_tok_s": round(batch * (new_tokens + 1) / decode, 1),
         "kv_bytes_per_request": bytes_per_request(llm, context),
     }
 
