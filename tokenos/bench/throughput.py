@@ -12,7 +12,7 @@ import json
 import random
 import time
 
-from tokenos.engine.args import EngineArgs
+from tokenos.engine.args import add_engine_args, engine_kwargs
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -22,29 +22,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64, help="synthetic: output tokens")
     parser.add_argument("--no-warmup", action="store_true")
     add_engine_args(parser)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine flags, named as vLLM names them; each maps to one EngineArgs field."""
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
-    parser.add_argument("--block-size", type=int, default=EngineArgs.block_size)
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=EngineArgs.enable_prefix_caching,
-    )
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = set(EngineArgs.field_names()) - {"model"}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 
 def load_workload(args: argparse.Namespace, vocab_size: int) -> list[dict]:

@@ -6,6 +6,7 @@ typed configs each layer consumes (model, scheduler, cache), validating in one p
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass, fields
 
@@ -88,3 +89,44 @@ def model_name(model_config) -> str:
     path = model_config.model_path.rstrip("/")
     name = os.path.basename(path)
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine flags, named as vLLM names them; each maps to one EngineArgs field."""
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
+    parser.add_argument("--block-size", type=int, default=EngineArgs.block_size)
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=EngineArgs.enable_prefix_caching,
+    )
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--mamba-cache-mode",
+        choices=("align", "all", "none"),
+        default=None,
+        help="hybrid models: which recurrent-state checkpoints to keep",
+    )
+    parser.add_argument(
+        "--mamba-checkpoint-interval",
+        type=int,
+        default=None,
+        help="hybrid models: checkpoint the recurrent state every N tokens (finer than a page)",
+    )
+    parser.add_argument(
+        "--mamba-checkpoint-at-end",
+        action="store_true",
+        default=None,
+        help="hybrid models: publish the exact state at the end of each finished request",
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    names = set(EngineArgs.field_names()) - {"model"}
+    return {k: v for k, v in vars(args).items() if k in names and v is not None}

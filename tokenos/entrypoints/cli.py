@@ -8,7 +8,7 @@ import sys
 
 
 def _generate(argv: list[str]) -> int:
-    from tokenos.bench.throughput import add_engine_args, engine_kwargs
+    from tokenos.engine.args import add_engine_args, engine_kwargs
 
     parser = argparse.ArgumentParser(
         prog="tokenos generate", description="Answer one prompt with the chat template."

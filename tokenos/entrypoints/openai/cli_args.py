@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenos.bench.throughput import add_engine_args, engine_kwargs
-from tokenos.engine.args import EngineArgs
+from tokenos.engine.args import EngineArgs, add_engine_args, engine_kwargs
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
