@@ -1,0 +1,77 @@
+"""A hybrid model (attention + Mamba2, Bamba architecture) served for real: the server process,
+the engine core in its own process, greedy completions identical to the offline LLM, and a
+repeated prompt resuming from a recurrent-state checkpoint (prefix-cache hits in /metrics)."""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from tests.entrypoints.test_server import Server, _metric
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def tiny_bamba(tmp_path_factory) -> str:
+    import torch
+    from transformers import BambaConfig, BambaForCausalLM
+
+    from tokenos.engine.tokenizer import load_tokenizer
+
+    path = str(tmp_path_factory.mktemp("tiny-bamba"))
+    torch.manual_seed(0)
+    config = BambaConfig(
+        vocab_size=49152,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        attn_layer_indices=[1],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_chunk_size=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    BambaForCausalLM(config).save_pretrained(path)
+    load_tokenizer(None).hf.save_pretrained(path)
+    return path
+
+
+def test_hybrid_served_matches_offline_and_hits_checkpoints(tiny_bamba):
+    from tokenos import LLM, SamplingParams
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(40, 120))] for _ in range(4)]
+    server = Server(tiny_bamba, max_model_len=256)
+    try:
+        server.wait_ready()
+        body = {"model": "tiny", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        served = []
+        for prompt in prompts + prompts[:1]:  # the last one repeats the first: a checkpoint hit
+            r = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": prompt}, timeout=120)
+            assert r.status_code == 200, r.text
+            served.append(r.json()["choices"][0]["text"])
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert _metric(metrics, "tokenos:prefix_cache_hits_total") > 0
+    finally:
+        server.stop()
+    llm = LLM(tiny_bamba, dtype="float32", max_model_len=256)
+    offline = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert served[:4] == [o.outputs[0].text for o in offline]
+    assert served[4] == served[0]
