@@ -17,33 +17,15 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def tiny_bamba(tmp_path_factory) -> str:
     import torch
-    from transformers import BambaConfig, BambaForCausalLM
+    from transformers import BambaForCausalLM
 
+    from tests.models.test_hybrid_models import _hf_config
     from tokenos.engine.tokenizer import load_tokenizer
 
     path = str(tmp_path_factory.mktemp("tiny-bamba"))
     torch.manual_seed(0)
-    config = BambaConfig(
-        vocab_size=49152,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        attn_layer_indices=[1],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mamba_n_heads=4,
-        mamba_d_head=16,
-        mamba_n_groups=2,
-        mamba_d_state=8,
-        mamba_d_conv=4,
-        mamba_expand=2,
-        mamba_chunk_size=8,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    config = _hf_config("bamba")  # the tiny Bamba of the model tests, with the real tokenizer's vocabulary
+    config.vocab_size = 49152
     BambaForCausalLM(config).save_pretrained(path)
     load_tokenizer(None).hf.save_pretrained(path)
     return path

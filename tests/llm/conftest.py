@@ -59,3 +59,18 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], lis
         torch.log_softmax(step[0].float(), -1)[t].item() for step, t in zip(out.logits, tokens, strict=True)
     ]
     return tokens, logprobs
+
+
+@pytest.fixture(scope="module", params=["mamba2", "bamba", "qwen3_next"])
+def hybrid(request, tmp_path_factory):
+    """(folder, transformers model) for each hybrid family: a tiny random float32 checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_hybrid_models import _hf_config, _perturb
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(_hf_config(request.param), dtype=torch.float32).eval()
+    _perturb(ref)
+    folder = str(tmp_path_factory.mktemp(request.param))
+    ref.save_pretrained(folder)
+    return folder, ref

@@ -6,25 +6,12 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
-from tests.models.test_hybrid_models import VOCAB, _hf_config, _perturb
+from tests.models.test_hybrid_models import VOCAB
 from tokenos import LLM, SamplingParams
 
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module", params=["mamba2", "bamba", "qwen3_next"])
-def hybrid(request, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(_hf_config(request.param), dtype=torch.float32).eval()
-    _perturb(ref)
-    folder = str(tmp_path_factory.mktemp(request.param))
-    ref.save_pretrained(folder)
-    return folder, ref
 
 
 @torch.no_grad()

@@ -9,25 +9,12 @@ from __future__ import annotations
 
 import random
 
-import pytest
 import torch
 
 from tests.llm.test_hybrid_parity import check, hf_greedy, make_llm, prompts_of, run
-from tests.models.test_hybrid_models import VOCAB, _hf_config, _perturb
+from tests.models.test_hybrid_models import VOCAB
 
 INTERVAL = 8  # tokens per recurrent checkpoint (the tiny models' attention pages are larger or equal)
-
-
-@pytest.fixture(scope="module", params=["mamba2", "bamba", "qwen3_next"])
-def hybrid(request, tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(_hf_config(request.param), dtype=torch.float32).eval()
-    _perturb(ref)
-    folder = str(tmp_path_factory.mktemp(request.param))
-    ref.save_pretrained(folder)
-    return folder, ref
 
 
 def hit_rate(llm) -> tuple[int, int]:
@@ -49,8 +36,10 @@ def test_shared_system_prompt(hybrid):
         check(outs, prompts, ref)
         rates[name] = hit_rate(llm)
         cached = [o.num_cached_tokens for o in outs]
-        print(f"\n{name}: page {llm.engine.kv_cache_config.kernel_block_sizes}, cached {cached}, "
-              f"hits {rates[name][0]}/{rates[name][1]} tokens")
+        print(
+            f"\n{name}: page {llm.engine.kv_cache_config.kernel_block_sizes}, cached {cached}, "
+            f"hits {rates[name][0]}/{rates[name][1]} tokens"
+        )
         if name == "on":
             assert cached[0] == 0
             assert all(c >= 5 * INTERVAL for c in cached[1:])
@@ -85,8 +74,10 @@ def test_preemption_resumes_from_checkpoint(hybrid):
     del probe
 
     def pages(num_tokens: int) -> int:
-        return sum(-(-g.kv_cache_spec.max_memory_usage_bytes(num_tokens) // g.kv_cache_spec.page_size_bytes)
-                   for g in groups)
+        return sum(
+            -(-g.kv_cache_spec.max_memory_usage_bytes(num_tokens) // g.kv_cache_spec.page_size_bytes)
+            for g in groups
+        )
 
     # Prompts 2 tokens short of an interval boundary and a pool for two of them plus one page:
     # both soon need new pages at once, so one is preempted and later resumes.
@@ -110,8 +101,18 @@ def test_rollback_restores_checkpoint_and_readvances_accepted_tokens():
     from tokenos.worker.recurrent import readvance_batch, restore_checkpoint, rollback
 
     torch.manual_seed(0)
-    config = Mamba2Config(num_heads=4, head_dim=8, hidden_size=16, expand=2, state_size=8, n_groups=2,
-                          chunk_size=8, conv_kernel=4, num_hidden_layers=1, vocab_size=32)
+    config = Mamba2Config(
+        num_heads=4,
+        head_dim=8,
+        hidden_size=16,
+        expand=2,
+        state_size=8,
+        n_groups=2,
+        chunk_size=8,
+        conv_kernel=4,
+        num_hidden_layers=1,
+        vocab_size=32,
+    )
     hf = HFMamba2Mixer(config, layer_idx=0).eval()
     with torch.no_grad():
         hf.D.copy_(torch.randn_like(hf.D))
