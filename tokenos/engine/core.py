@@ -16,6 +16,7 @@ from tokenos.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCore
 from tokenos.core.request import Request, RequestStatus
 from tokenos.core.sched.scheduler import Scheduler
 from tokenos.engine.args import EngineArgs, model_name
+from tokenos.engine.processor import check_prompt_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -93,19 +94,9 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         """Queue a request; ValueError (and nothing queued) when it can never run."""
-        n = len(req.prompt_token_ids)
-        if n == 0:
-            raise ValueError("The prompt is empty: give at least one token.")
-        max_len = self.model_config.max_model_len
-        if n >= max_len:
-            raise ValueError(
-                f"The prompt is {n} tokens long, but this model's max_model_len is {max_len}: "
-                "shorten the prompt (one position must be left to generate)."
-            )
-        vocab = self.model_config.vocab_size
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"Token id {bad[0]} is outside the vocabulary [0, {vocab}).")
+        check_prompt_tokens(
+            req.prompt_token_ids, self.model_config.max_model_len, self.model_config.vocab_size
+        )
         self.scheduler.add_request(Request.from_engine_core_request(req))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

@@ -16,6 +16,22 @@ from tokenos.sampling_params import SamplingParams
 PromptType = str | list[int] | dict[str, Any]
 
 
+def check_prompt_tokens(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """ValueError unless the prompt can run: non-empty, room for one answer token, ids in the vocabulary.
+    The frontend checks before sending; the engine core checks again, as any client may reach it."""
+    n = len(token_ids)
+    if n == 0:
+        raise ValueError("The prompt is empty: give at least one token.")
+    if n >= max_model_len:
+        raise ValueError(
+            f"The prompt is {n} tokens long, but the model's max_model_len is {max_model_len}: "
+            "shorten the prompt (one position must be left for the answer)."
+        )
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"Prompt token id {bad} is outside the vocabulary [0, {vocab_size}).")
+
+
 def child_request_id(index: int, parent_id: str) -> str:
     return f"{index}_{parent_id}"
 
@@ -57,17 +73,7 @@ class Processor:
         raise ValueError(f"Unsupported prompt type {type(prompt).__name__}: give text or token ids.")
 
     def validate_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
-        n = len(token_ids)
-        if n == 0:
-            raise ValueError("The prompt is empty: give at least one token.")
-        if n >= self.max_model_len:
-            raise ValueError(
-                f"The prompt is {n} tokens long, but the model's max_model_len is {self.max_model_len}: "
-                "shorten the prompt (one position must be left for the answer)."
-            )
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"Prompt token id {bad} is outside the vocabulary [0, {self.vocab_size}).")
+        check_prompt_tokens(token_ids, self.max_model_len, self.vocab_size)
         if params.logit_bias:
             bad = next((t for t in params.logit_bias if not 0 <= int(t) < self.vocab_size), None)
             if bad is not None:
