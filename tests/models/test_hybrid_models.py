@@ -96,6 +96,36 @@ def _hf_config(family: str):
             initializer_range=0.2,
             **common,
         )
+    if family.startswith("granitemoehybrid"):
+        # muP multipliers all away from 1; "granitemoehybrid": 4 experts (top 2) beside the shared MLP and
+        # rotary attention in the middle; "_dense": no experts, attention first and without rotary.
+        moe = family == "granitemoehybrid"
+        return transformers.GraniteMoeHybridConfig(
+            hidden_size=32,
+            intermediate_size=16,
+            shared_intermediate_size=24,
+            num_hidden_layers=3,
+            layer_types=["mamba", "attention", "mamba"] if moe else ["attention", "mamba", "mamba"],
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4 if moe else 0,
+            num_experts_per_tok=2,
+            position_embedding_type="rope" if moe else None,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.25,
+            logits_scaling=2.0,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_n_groups=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_expand=2,
+            mamba_chunk_size=8,
+            max_position_embeddings=256,
+            initializer_range=0.2,
+            **common,
+        )
     raise KeyError(family)
 
 
@@ -111,7 +141,10 @@ def _perturb(model: torch.nn.Module) -> None:
                 p.uniform_(-1, 1)
 
 
-@pytest.fixture(scope="module", params=["mamba2", "bamba", "qwen3_next"])
+@pytest.fixture(
+    scope="module",
+    params=["mamba2", "bamba", "qwen3_next", "granitemoehybrid", "granitemoehybrid_dense"],
+)
 def family(request, tmp_path_factory):
     """(family, our model, transformers model) on the same tiny random float32 checkpoint."""
     from transformers import AutoModelForCausalLM
@@ -316,7 +349,7 @@ def test_kv_cache_spec_and_unified_block_size(family):
     # One block size for every group after unification: recurrent boundaries line up with attention's.
     assert len(sizes) == 1
     assert {g.kv_cache_spec.page_size_bytes for g in config.kv_cache_groups} == {config.page_size_bytes}
-    if name == "bamba":
+    if name in ("bamba", "granitemoehybrid", "granitemoehybrid_dense"):  # the same Mamba and attention dims
         assert sizes == {32}  # one Mamba state (3200 B) needs two 16-token attention pages of 1 KiB
     else:
         assert sizes == {16}

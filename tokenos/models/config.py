@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Mamba2ForCausalLM": {},
     "BambaForCausalLM": {},
     "Qwen3NextForCausalLM": {},
+    "GraniteMoeHybridForCausalLM": {},
 }
 
 # GGUF general.architecture -> HF architecture name.

@@ -7,6 +7,7 @@ from torch import nn
 
 from tokenos.models.bamba import BambaForCausalLM
 from tokenos.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tokenos.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from tokenos.models.llama import LlamaForCausalLM
 from tokenos.models.mamba2 import Mamba2ForCausalLM
 from tokenos.models.qwen3_next import Qwen3NextForCausalLM
@@ -20,6 +21,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Mamba2ForCausalLM": Mamba2ForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 
