@@ -242,18 +242,32 @@ class Mamba2Mixer(RecurrentLayer):
         chunk = min(d.chunk_size, SCAN_CHUNK_CAP)
         states = advance_states(batch, ssm_state, y, chunk, checkpoint_every, step, scan)
         y = y + self.D.float()[:, None] * x
-        y = _gated_rms_norm(y.reshape(num_tokens, d.intermediate_size), gate, self.norm.weight,
-                            d.intermediate_size // d.n_groups, d.eps)
+        y = self.gate_and_norm(y.reshape(num_tokens, d.intermediate_size), gate)
         out = F.linear(y.to(hidden_states.dtype), self.out_proj.weight, self.out_proj.bias)
         if positions is None:
             return out, None
         return out, make_checkpoints(batch, positions, conv_snaps, states)
 
+    def gate_and_norm(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """The scan output ``[T, intermediate]`` gated and normed, float32; Falcon-H1 overrides it."""
+        d = self.dims
+        return gated_rms_norm(y, gate, self.norm.weight, d.intermediate_size // d.n_groups, d.eps)
 
-def _gated_rms_norm(y: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, group: int, eps: float
-                    ) -> torch.Tensor:
-    """``weight * rmsnorm_per_group(y * silu(gate))`` in float32 (norm after gate, as Mamba2 does)."""
-    y = y.float() * F.silu(gate.float())
+
+def gated_rms_norm(
+    y: torch.Tensor,
+    gate: torch.Tensor,
+    weight: torch.Tensor,
+    group: int,
+    eps: float,
+    norm_before_gate: bool = False,
+) -> torch.Tensor:
+    """``weight * rmsnorm_per_group(y * silu(gate))`` in float32 (norm after gate, as Mamba2 does), or with
+    ``norm_before_gate`` ``weight * rmsnorm_per_group(y) * silu(gate)``."""
+    y = y.float()
+    if not norm_before_gate:
+        y = y * F.silu(gate.float())
     g = y.reshape(*y.shape[:-1], -1, group)
     g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + eps)
-    return weight.float() * g.reshape(y.shape)
+    out = weight.float() * g.reshape(y.shape)
+    return out * F.silu(gate.float()) if norm_before_gate else out
