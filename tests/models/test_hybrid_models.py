@@ -126,6 +126,39 @@ def _hf_config(family: str):
             initializer_range=0.2,
             **common,
         )
+    if family.startswith("falcon_h1"):
+        # Every muP multiplier away from 1. "falcon_h1": no norm in the mixer (y * silu(z), the config's
+        # default); "_norm": grouped RMSNorm before the gate, tied embeddings, head_dim != hidden / heads.
+        norm = family == "falcon_h1_norm"
+        return transformers.FalconH1Config(
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            **({"head_dim": 16} if norm else {}),
+            mamba_d_ssm=64,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_n_groups=2,
+            mamba_d_state=8,
+            mamba_d_conv=4,
+            mamba_chunk_size=8,
+            mamba_rms_norm=norm,
+            mamba_norm_before_gate=True,
+            embedding_multiplier=2.0,
+            lm_head_multiplier=0.5,
+            mlp_multipliers=[0.7, 1.3],
+            key_multiplier=1.5,
+            attention_in_multiplier=0.8,
+            attention_out_multiplier=1.2,
+            ssm_multipliers=[0.5, 1.5, 0.8, 1.2, 0.6],
+            ssm_in_multiplier=1.1,
+            ssm_out_multiplier=0.9,
+            max_position_embeddings=256,
+            initializer_range=0.2,
+            **{**common, "tie_word_embeddings": norm},
+        )
     raise KeyError(family)
 
 
@@ -143,7 +176,15 @@ def _perturb(model: torch.nn.Module) -> None:
 
 @pytest.fixture(
     scope="module",
-    params=["mamba2", "bamba", "qwen3_next", "granitemoehybrid", "granitemoehybrid_dense"],
+    params=[
+        "mamba2",
+        "bamba",
+        "qwen3_next",
+        "granitemoehybrid",
+        "granitemoehybrid_dense",
+        "falcon_h1",
+        "falcon_h1_norm",
+    ],
 )
 def family(request, tmp_path_factory):
     """(family, our model, transformers model) on the same tiny random float32 checkpoint."""
@@ -349,7 +390,7 @@ def test_kv_cache_spec_and_unified_block_size(family):
     # One block size for every group after unification: recurrent boundaries line up with attention's.
     assert len(sizes) == 1
     assert {g.kv_cache_spec.page_size_bytes for g in config.kv_cache_groups} == {config.page_size_bytes}
-    if name in ("bamba", "granitemoehybrid", "granitemoehybrid_dense"):  # the same Mamba and attention dims
+    if name in ("bamba", "granitemoehybrid", "granitemoehybrid_dense", "falcon_h1"):  # Bamba's dims
         assert sizes == {32}  # one Mamba state (3200 B) needs two 16-token attention pages of 1 KiB
     else:
         assert sizes == {16}

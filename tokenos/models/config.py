@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "BambaForCausalLM": {},
     "Qwen3NextForCausalLM": {},
     "GraniteMoeHybridForCausalLM": {},
+    "FalconH1ForCausalLM": {},
 }
 
 # GGUF general.architecture -> HF architecture name.

@@ -136,9 +136,11 @@ class GraniteMoeHybridDecoderLayer(HybridDecoderLayer):
 
 
 def mamba_dims(config: ModelConfig) -> Mamba2Dims:
+    """Mamba2Dims of a Granite or Falcon-H1 config, resolving ``mamba_d_head="auto"`` as transformers does."""
     attrs = hf_attrs(config)
-    if getattr(attrs, "mamba_d_head", None) == "auto":  # transformers' default, resolved like its config
-        attrs.mamba_d_head = int(attrs.mamba_expand) * config.hidden_size // int(attrs.mamba_n_heads)
+    if getattr(attrs, "mamba_d_head", None) == "auto":
+        inner = getattr(attrs, "mamba_d_ssm", None) or int(attrs.mamba_expand) * config.hidden_size
+        attrs.mamba_d_head = inner // int(attrs.mamba_n_heads)
     return Mamba2Dims.from_config(attrs)
 
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from tokenos.models.bamba import BambaForCausalLM
 from tokenos.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tokenos.models.falcon_h1 import FalconH1ForCausalLM
 from tokenos.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from tokenos.models.llama import LlamaForCausalLM
 from tokenos.models.mamba2 import Mamba2ForCausalLM
@@ -22,6 +23,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "BambaForCausalLM": BambaForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "FalconH1ForCausalLM": FalconH1ForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 
