@@ -259,11 +259,11 @@ class Checker:
                 for b in blocks:
                     if not b.is_null:
                         refs[b.block_id] = refs.get(b.block_id, 0) + 1
-        if kv.fine is not None:  # copy-on-write sources are held until their request ends
-            for rid, held in kv.fine.borrowed.items():
-                assert rid in self.s.requests, f"copy sources held for a request that is gone: {rid}"
-                for b in held:
-                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        # Copy-on-write sources are held until the request's first step has run.
+        for rid, held in kv.coordinator.cow.borrowed.items():
+            assert rid in self.s.requests, f"copy sources held for a request that is gone: {rid}"
+            for b in held:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in pool.blocks[1:]:
             assert b.ref_cnt == refs.get(b.block_id, 0), f"{b}: {refs.get(b.block_id, 0)} holders"
         for req in self.s.requests.values():

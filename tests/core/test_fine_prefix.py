@@ -70,14 +70,19 @@ def test_sub_page_hit_copies_the_partial_page() -> None:
     assert s.make_stats()["prefix_cache_hits"] == 12
 
 
-def test_source_page_is_held_until_the_request_ends() -> None:
+def test_source_page_is_held_until_the_copy_ran() -> None:
     s, w, checker = make(attn(8), mamba(4, "all"))
     shared = list(range(1, 15))
     run_one(s, w, checker, make_request("a", shared + [40], max_tokens=1))
     s.add_request(make_request("b", shared + [30, 31, 32], max_tokens=4))
-    so, _ = step(s, w, checker)
+    so = s.schedule()
     src, _ = so.prefix_page_copies["b"][0]
-    assert s.kv_cache_manager.block_pool.blocks[src].ref_cnt == 1  # borrowed, in no block list
+    pool = s.kv_cache_manager.block_pool
+    assert pool.blocks[src].ref_cnt == 1  # borrowed, in no block list: not reusable before the copy
+    s.update_from_output(so, w.execute(so))
+    checker.check()
+    assert pool.blocks[src].ref_cnt == 0  # the copy ran: back to the evictable cache
+    assert src not in s.kv_cache_manager.get_block_ids("b")[0]
     while s.has_unfinished_requests():
         step(s, w, checker)
     assert s.kv_cache_manager.block_pool.blocks[src].ref_cnt == 0
@@ -113,8 +118,8 @@ def test_end_checkpoint_needs_the_flag() -> None:
 
 def test_preempted_request_resumes_from_its_checkpoint() -> None:
     """A preempted request comes back at its latest surviving checkpoint, not at zero."""
-    s, w, checker = make(attn(8), mamba(4, "all"), num_blocks=24, budget=8)
-    reqs = [make_request(f"r{i}", [i + 1] * 3 + list(range(10 + i, 35 + i)), max_tokens=12) for i in range(3)]
+    s, w, checker = make(attn(8), mamba(4, "all"), num_blocks=20, budget=8)
+    reqs = [make_request(f"r{i}", [i + 1] * 3 + list(range(10 + i, 19 + i)), max_tokens=30) for i in range(3)]
     for r in reqs:
         s.add_request(r)
     resumed = []

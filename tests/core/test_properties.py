@@ -32,6 +32,14 @@ op = st.one_of(
     st.tuples(st.just("step")),
     st.tuples(st.just("burst"), st.integers(2, 4)),  # several long requests at once: pressure
     st.tuples(st.just("abort"), st.integers(0, 1000)),
+    # n > 1: a parent and 1-3 siblings forked from it (prefix index, tail, max_tokens, siblings)
+    st.tuples(
+        st.just("fork"),
+        st.integers(0, len(PREFIXES) - 1),
+        st.lists(st.integers(1, 49), max_size=12),
+        st.integers(1, 30),
+        st.integers(1, 3),
+    ),
     st.tuples(st.just("reset")),
 )
 
@@ -106,6 +114,25 @@ def test_random_operations_keep_the_invariants(layout, extra_blocks, budget, max
                 )
                 n += 1
             do_step()
+        elif o[0] == "fork":
+            _, p, tail, max_tokens, siblings = o
+            prompt = (PREFIXES[p] + tail)[: MAX_MODEL_LEN - 1]
+            parent = f"r{n}"
+            arrival_rank[parent] = n
+            for k in range(siblings + 1):
+                # Siblings wait for their parent, so later arrivals may be admitted before them.
+                rid = parent if k == 0 else f"{parent}.{k}"
+                s.add_request(
+                    make_request(
+                        rid,
+                        prompt,
+                        max_tokens=max_tokens,
+                        arrival_time=float(n),
+                        fork_of=None if k == 0 else parent,
+                        seed=k,
+                    )
+                )
+            n += 1
         elif o[0] == "step":
             do_step()
         elif o[0] == "abort" and s.requests:

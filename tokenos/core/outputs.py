@@ -46,11 +46,12 @@ COLUMN ("none" mode: s = 0, and the list always holds exactly one block).
 The scheduler publishes a recurrent page as a checkpoint only after `update_from_output` saw
 the step that wrote it, and never gives a published page out as a running page.
 
-Copy-on-write prefix pages (only with fine-grained hybrid prefix caching on, see
-`tokenos.core.kv_cache.fine_prefix`; otherwise always empty). A new request whose prefix hit h
-is not a page boundary of some group g gets, in `prefix_page_copies[req_id][g] = (src, dst)`, a
-source BLOCK ID `src` (a shared page that is NOT in its block list; the scheduler keeps it alive
-until the request ends) and a COLUMN `dst` of its own list (a fresh private page). Before
+Copy-on-write prefix pages (fine-grained hybrid prefix hits, see
+`tokenos.core.kv_cache.fine_prefix`, and n > 1 forks, see the scheduler). A new request whose hit
+h is not a page boundary of some group g, or that forks from a running parent's state, gets, in
+`prefix_page_copies[req_id][g] = (src, dst)`, a source BLOCK ID `src` (a page that is NOT in its
+block list, possibly the running page another request of this step updates; the scheduler keeps it
+alive until this step has run) and a COLUMN `dst` of its own list (a fresh private page). Before
 anything else in the step (before `mamba_state_copies`), copy the whole page `src` into page
 `block_ids[g][dst]` for every layer of group g: attention K/V (slots [0, h % B) are the prefix;
 the rest is overwritten by this request before it is read) or every recurrent state (the state
@@ -163,6 +164,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    # n > 1: the samples after the first name the first one; the scheduler forks them from it
+    # once it has computed the shared prompt (see Scheduler, "Forks").
+    fork_of: str | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -68,6 +68,7 @@ class Request:
         "num_preemptions",
         "stop_reason",
         "max_tokens",
+        "fork_of",
         "_block_hasher",
         "_next_hash_at",
         "__weakref__",
@@ -84,6 +85,7 @@ class Request:
         cache_salt: str | None = None,
         adapter_id: int | str | None = None,
         block_hasher: Callable[[Request], list[BlockHash]] | None = None,
+        fork_of: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -108,6 +110,8 @@ class Request:
         self.max_tokens = sampling_params.max_tokens
         # min(prompt + max_tokens, max_model_len): set by the scheduler when the request is added.
         self.max_total_tokens = 1 << 62
+        # Sibling of an n > 1 request: the id of the sample that computes the shared prompt.
+        self.fork_of = fork_of
         self._block_hasher = None
         self._next_hash_at = 1 << 62
         if block_hasher is not None:
@@ -129,6 +133,7 @@ class Request:
             cache_salt=req.cache_salt,
             adapter_id=getattr(req, "adapter_id", None),
             block_hasher=block_hasher,
+            fork_of=req.fork_of,
         )
 
     # ------------------------------------------------------------------ tokens

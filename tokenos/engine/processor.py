@@ -1,8 +1,9 @@
 """Frontend input processing: prompt -> token ids -> validated `EngineCoreRequest`s.
 
 A request with n > 1 samples fans out here into n child requests (`{i}_{request_id}`) with
-the same prompt; the engine core never sees n, and prefix caching shares the prompt's
-blocks between the children by refcount.
+the same prompt; the engine core never sees n. Children 1..n-1 carry `fork_of` = child 0, so the
+scheduler computes the prompt once and forks them from child 0 (attention pages shared by refcount,
+recurrent state copied).
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class Processor:
                     arrival_time=arrival,
                     priority=priority,
                     cache_salt=cache_salt,
+                    fork_of=children[0].request_id if children else None,
                 )
             )
         return children

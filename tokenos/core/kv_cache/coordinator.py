@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tokenos.core.kv_cache.block_pool import BlockPool, KVCacheBlock
+from tokenos.core.kv_cache.cow import CopyOnWrite, HitBlocks
 from tokenos.core.kv_cache.fine_prefix import FinePrefixCache
 from tokenos.core.kv_cache.single_type_manager import (
     FullAttentionManager,
@@ -50,6 +51,7 @@ class KVCacheCoordinator:
             for gid, g in enumerate(kv_cache_config.kv_cache_groups)
         )
         self.num_groups = len(self.managers)
+        self.cow = CopyOnWrite(self.managers, self.block_pool)
         # Attention-like managers publish at allocation; recurrent ones after the step.
         self.eager_cachers = tuple(m for m in self.managers if not m.publishes_after_step)
         self.recurrent = tuple(m for m in self.managers if isinstance(m, MambaManager))
@@ -96,6 +98,31 @@ class KVCacheCoordinator:
         # In the final pass every kind returned exactly `hit`, so `found` is consistent.
         return tuple(found), hit
 
+    def fork_hit(self, parent_id: str, num_tokens: int) -> HitBlocks:
+        """Hit blocks for a sibling forked from running request `parent_id` at `num_tokens`.
+
+        Attention: the parent's full pages are shared by refcount and its partial page is copied.
+        Recurrent: the parent's running page (state after exactly `num_tokens`, updated in place by
+        the parent's next step) is copied into the sibling's own running column: the eager state
+        copy of a fork. The copies run before the parent's step writes anything.
+        """
+        blocks: list[list[KVCacheBlock]] = []
+        cow: dict[int, int] = {}
+        for m in self.managers:
+            own = m.req_to_blocks[parent_id]
+            if isinstance(m, MambaManager):
+                col = m.running_column(num_tokens)
+                lst = [self.block_pool.null_block] * col + [own[col]]
+                cow[m.group_id] = col
+            else:
+                q, r = divmod(num_tokens, m.block_size)
+                lst = own[:q]
+                if r:
+                    lst = [*lst, own[q]]
+                    cow[m.group_id] = q
+            blocks.append(lst)
+        return HitBlocks(blocks, cow)
+
     # ------------------------------------------------------------------ allocation
 
     def get_num_blocks_to_allocate(
@@ -107,17 +134,14 @@ class KVCacheCoordinator:
             m.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
             for m, blocks in zip(self.managers, new_computed_blocks, strict=True)
         )
-        if self.fine is not None:
-            need += self.fine.extra_blocks(new_computed_blocks)
-        return need
+        return need + self.cow.extra_blocks(new_computed_blocks)
 
     def save_new_computed_blocks(
         self, request_id: str, new_computed_blocks: tuple[list[KVCacheBlock], ...]
     ) -> None:
         for m, blocks in zip(self.managers, new_computed_blocks, strict=True):
             m.save_new_computed_blocks(request_id, blocks)
-        if self.fine is not None:
-            self.fine.adopt(request_id, new_computed_blocks)
+        self.cow.adopt(request_id, new_computed_blocks)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
@@ -167,6 +191,7 @@ class KVCacheCoordinator:
     def free(self, request_id: str) -> None:
         for m in self.managers:
             m.free(request_id)
+        self.cow.free(request_id)
         if self.fine is not None:
             self.fine.free(request_id)
 

@@ -15,8 +15,8 @@ h // B is COPY-ON-WRITE: the request gets a fresh private page and the worker co
 page into it before the step (`SchedulerOutput.prefix_page_copies`); the request overwrites slots
 [h % B, B) before reading them. A recurrent checkpoint between two interval boundaries (an exact
 end) is copied the same way, since the request's running page is that column and is written in
-place. The request holds a reference on every source page until it is freed, so a source is never
-handed out (and rewritten) before its copy ran.
+place. The copy-on-write bookkeeping (private page, queued copy, reference on the source until
+the copy ran) is `tokenos.core.kv_cache.cow`, shared with n > 1 forks.
 
 Where partial attention pages come from:
 1. The sub-page index, filled after each step: for every hash-grid boundary inside a page the
@@ -29,8 +29,8 @@ Where partial attention pages come from:
 Memory. Checkpoint pages are ordinary pool pages: "all" mode holds ceil(tokens / C) pages per
 recurrent group while a request runs (counted in `MambaSpec.max_memory_usage_bytes`), and every
 one of them becomes an evictable cached page when it ends; an end checkpoint adds no page (it
-publishes the running page). A hit holds one extra page per copy-on-write source until the
-request ends. The sub-page index and the tail index hold small tuples, pruned when stale and swept
+publishes the running page). A hit holds one extra page per copy-on-write source until its
+first step has run. The sub-page index and the tail index hold small tuples, pruned when stale and swept
 when they exceed a few entries per pool block.
 """
 
@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 
 from tokenos.core.hashing import exact_prefix_hash
 from tokenos.core.kv_cache.block_pool import BlockPool, KVCacheBlock, group_key
+from tokenos.core.kv_cache.cow import HitBlocks
 from tokenos.core.kv_cache.single_type_manager import (
     FullAttentionManager,
     MambaManager,
@@ -49,17 +50,6 @@ from tokenos.core.kv_cache.single_type_manager import (
 if TYPE_CHECKING:
     from tokenos.core.hashing import BlockHash, HashFn
     from tokenos.core.request import Request
-
-
-class HitBlocks(tuple):
-    """Hit blocks per group, plus `cow`: group id -> column whose block is a copy-on-write source."""
-
-    cow: dict[int, int]
-
-    def __new__(cls, blocks, cow: dict[int, int]):
-        self = super().__new__(cls, blocks)
-        self.cow = cow
-        return self
 
 
 class FinePrefixCache:
@@ -84,15 +74,11 @@ class FinePrefixCache:
         self.hbs = hash_block_size
         self.hash_fn = hash_fn
         self.at_end = checkpoint_at_end
-        # Grid points where a recurrent checkpoint can exist: multiples of every interval.
-        self.rec_grain = max(m.block_size for m in self.rec)
         self.sub: dict[bytes, tuple[KVCacheBlock, int]] = {}
         # Exact checkpoints by the grid hash before them (None: before the first hash block):
         # parent -> {exact key -> tail length}.
         self.tails: dict[BlockHash | None, dict[BlockHash, int]] = {}
         self.indexed: dict[str, int] = {}  # request id -> tokens already in the sub-page index
-        self.borrowed: dict[str, list[KVCacheBlock]] = {}  # copy-on-write sources held
-        self.pending: dict[str, dict[int, tuple[int, int]]] = {}  # copies for the next step
         per_page = max((m.block_size // hash_block_size for m in self.attn), default=1)
         self.max_sub = 4 * block_pool.num_blocks * per_page
 
@@ -117,7 +103,8 @@ class FinePrefixCache:
                         hit = self._resume_at(h, key, full)
                         if hit is not None:
                             return hit, h
-            if i and (i * hbs) % self.rec_grain == 0:
+            # Any grid point: interval checkpoints, and end checkpoints that fell on the grid.
+            if i:
                 hit = self._resume_at(i * hbs, hashes[i - 1], full)
                 if hit is not None:
                     return hit, i * hbs
@@ -162,34 +149,6 @@ class FinePrefixCache:
             del self.sub[k]  # handed out again since: its slots no longer hold this prefix
             return None
         return b
-
-    # ------------------------------------------------------------------ hits taken
-
-    def extra_blocks(self, new_computed_blocks) -> int:
-        """Fresh private pages a hit needs for its copy-on-write columns."""
-        return len(getattr(new_computed_blocks, "cow", ()))
-
-    def adopt(self, request_id: str, new_computed_blocks: tuple[list[KVCacheBlock], ...]) -> None:
-        """After the managers took the hit: swap each copy-on-write source for a fresh page (the
-        source keeps the reference it got, until `free`) and queue the copy for the next step."""
-        cow = getattr(new_computed_blocks, "cow", None)
-        if not cow:
-            return
-        managers = {m.group_id: m for m in (*self.attn, *self.rec)}
-        copies = self.pending.setdefault(request_id, {})
-        held = self.borrowed.setdefault(request_id, [])
-        for gid, col in cow.items():
-            m = managers[gid]
-            blocks = m.req_to_blocks[request_id]
-            src = blocks[col]
-            blocks[col] = self.pool.get_new_blocks(1)[0]
-            held.append(src)
-            copies[gid] = (src.block_id, col)
-            # The private page is not published yet: it is cached when it becomes full.
-            m.num_cached_block[request_id] = min(m.num_cached_block.get(request_id, 0), col)
-
-    def take_copies(self, request_id: str) -> dict[int, tuple[int, int]] | None:
-        return self.pending.pop(request_id, None)
 
     # ------------------------------------------------------------------ after a step / at the end
 
@@ -244,8 +203,4 @@ class FinePrefixCache:
         self.tails = kept
 
     def free(self, request_id: str) -> None:
-        held = self.borrowed.pop(request_id, None)
-        if held:
-            self.pool.free_blocks(held)
         self.indexed.pop(request_id, None)
-        self.pending.pop(request_id, None)

@@ -134,8 +134,17 @@ class KVCacheManager:
         return self.coordinator.state_copies(num_computed_tokens, num_tokens)
 
     def take_prefix_page_copies(self, request: Request) -> dict[int, tuple[int, int]] | None:
-        """Copy-on-write copies the request's prefix hit needs before its first step."""
-        return self.fine.take_copies(request.request_id) if self.fine is not None else None
+        """Copy-on-write copies the request's hit (prefix or fork) needs before its first step."""
+        return self.coordinator.cow.take_copies(request.request_id)
+
+    def release_copy_sources(self, request: Request) -> None:
+        """The request's first step ran: its copy-on-write sources are no longer needed."""
+        self.coordinator.cow.release(request.request_id)
+
+    def fork_blocks(self, parent: Request, fork_point: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+        """A sibling's hit on its running parent's pages after `fork_point` tokens (see
+        `KVCacheCoordinator.fork_hit`); the parent must not have advanced past the fork point."""
+        return self.coordinator.fork_hit(parent.request_id, fork_point), fork_point
 
     def publish_end_checkpoint(self, request: Request) -> None:
         """A request finished normally: publish its exact end state (when enabled)."""

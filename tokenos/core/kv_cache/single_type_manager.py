@@ -12,8 +12,10 @@ hold the null block, so block-table indices mean the same thing in every group.
 - Recurrent state (MambaSpec): a page is a checkpoint of the state after an exact prefix. Column
   j holds the state after `(j + 1) * block_size` tokens once the request has passed that
   boundary; a hit is the latest cached checkpoint, earlier columns are null. Modes: "align"
-  keeps the running column plus the previous one; "all" keeps every column; "none" keeps a
-  single page at column 0 and never caches. See `tokenos.core.outputs` for the worker's rules.
+  keeps the running column plus the previous one; "all" allocates every column a step crosses
+  (the worker writes a checkpoint into each) and then, once they are published, frees all but
+  the previous and running ones into the evictable cache; "none" keeps a single page at column 0
+  and never caches. See `tokenos.core.outputs` for the worker's rules.
 """
 
 from __future__ import annotations
@@ -239,7 +241,7 @@ class MambaManager(SingleTypeKVCacheManager):
     def __init__(self, spec: MambaSpec, block_pool: BlockPool, group_id: int, hash_block_size: int) -> None:
         super().__init__(spec, block_pool, group_id, hash_block_size)
         self.mode = spec.cache_mode
-        self.skips_blocks = self.mode == "align"
+        self.skips_blocks = self.mode != "none"
 
     def running_column(self, num_tokens: int) -> int:
         """Column whose page holds the state after `num_tokens` tokens (the running state)."""
@@ -307,9 +309,10 @@ class MambaManager(SingleTypeKVCacheManager):
                     )
 
     def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> list[int] | None:
-        if self.mode != "align" or num_computed_tokens == 0:
+        if self.mode == "none" or num_computed_tokens == 0:
             return None
-        # Keep the previous state's column (the source of this step's copy) and later ones.
+        # Keep the previous state's column (the source of this step's copy) and later ones; in
+        # "all" mode the older columns are published checkpoints: freeing them leaves them cached.
         return self._free_columns_before(request_id, (num_computed_tokens - 1) // self.block_size)
 
     @classmethod

@@ -123,8 +123,11 @@ class MambaSpec(KVCacheSpec):
     """A fixed-size recurrent state. `block_size` is the checkpoint interval in tokens.
 
     cache_mode: "align" keeps the running state page plus the previous one and checkpoints where
-    a step ends on a block boundary; "all" keeps one checkpoint per block; "none" keeps one page
-    and disables prefix caching for the model.
+    a step ends on a block boundary; "all" writes one checkpoint per block (a step crossing
+    boundaries writes each of them) and, like "align", holds only the running page and the previous
+    one once the checkpoints are published: older ones wait in the evictable cache; "none" keeps
+    one page and disables prefix caching for the model. The memory bound of "all" stays the whole
+    context, because admission reserves a page per block of the prompt.
     """
 
     shapes: tuple[tuple[int, ...], ...]

@@ -14,6 +14,18 @@ Recurrent groups in "align" mode: multi-token chunks that do not finish the requ
 tokens end on a multiple of `scheduler_alignment`, and one ends on the last such boundary of the
 tokens, so prompts leave checkpoints where later requests can resume.
 
+Forks (n > 1). The samples of one request share a prompt; samples 1..n-1 (`Request.fork_of` names
+sample 0, the parent) are parked, outside the waiting queue, while the parent computes the prompt.
+The parent's chunk stops at the fork point F = prompt length - 1; after that step has run the
+siblings go to the front of the queue and, if the parent is still exactly at F, each is admitted
+with a hit of F tokens on the parent's own pages (`KVCacheCoordinator.fork_hit`): full attention
+pages shared by refcount, the partial page and every recurrent running state copied eagerly into
+the sibling's private pages before the step writes anything. Then the parent and its siblings each
+compute the last prompt token in one batch and sample independently. A recurrent state is thus
+copied at the fork instead of recomputed. Whenever the fork cannot happen (the parent was
+aborted, preempted or moved on, its hit already covered F, the pool is short), siblings simply
+become ordinary requests, and prefix caching still shares what it can.
+
 Per-step cost matters: the decode path does a handful of integer operations and dict stores per
 request and allocates only what the output messages need.
 """
@@ -86,6 +98,11 @@ class Scheduler:
         # Finished or aborted since the last schedule(): the worker drops them next step.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # Forks: parent id -> parked siblings; sibling id -> (parent, its preemption count) for
+        # siblings released to the queue that may fork from the parent's pages.
+        self.fork_waiters: dict[str, list[Request]] = {}
+        self.fork_ready: dict[str, tuple[Request, int]] = {}
+        self.num_parked = 0
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -107,7 +124,57 @@ class Scheduler:
         request.max_total_tokens = cap
         request.status = RequestStatus.WAITING
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if request.fork_of is None or not self._park(request):
+            self.waiting.add(request)
+
+    # ------------------------------------------------------------------ forks (n > 1)
+
+    def _park(self, req: Request) -> bool:
+        """Park a sibling until its parent has computed the shared prompt (False: cannot fork)."""
+        parent = self.requests.get(req.fork_of)  # type: ignore[arg-type]
+        if (
+            parent is None
+            or parent.num_computed_tokens >= parent.num_prompt_tokens - 1
+            or parent.cache_salt != req.cache_salt
+            or parent.adapter_id != req.adapter_id
+            or req.sampling_params.prompt_logprobs is not None
+            or parent.prompt_token_ids != req.prompt_token_ids
+        ):
+            return False
+        self.fork_waiters.setdefault(parent.request_id, []).append(req)
+        self.num_parked += 1
+        return True
+
+    def _unpark(self, req: Request) -> bool:
+        siblings = self.fork_waiters.get(req.fork_of)  # type: ignore[arg-type]
+        if not siblings or req not in siblings:
+            return False
+        siblings.remove(req)
+        self.num_parked -= 1
+        return True
+
+    def _release_forks(self, parent: Request, fork: bool) -> None:
+        """Siblings to the front of the queue; with `fork`, they may fork from the parent."""
+        siblings = self.fork_waiters.pop(parent.request_id, None)
+        if not siblings:
+            return
+        self.num_parked -= len(siblings)
+        for sib in reversed(siblings):
+            if fork:
+                self.fork_ready[sib.request_id] = (parent, parent.num_preemptions)
+            self.waiting.prepend(sib)
+
+    def _fork_hit(self, req: Request) -> tuple[tuple, int] | None:
+        """(hit blocks, F) for a released sibling whose parent is still exactly at the fork point."""
+        parent, preemptions = self.fork_ready.pop(req.request_id)
+        point = parent.num_prompt_tokens - 1
+        if (
+            parent.status != _RUNNING
+            or parent.num_preemptions != preemptions  # readmitted: its pages may be unwritten
+            or parent.num_computed_tokens != point  # before this step: it is exactly at F
+        ):
+            return None
+        return self.kv_cache_manager.fork_blocks(parent, point)
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Finish (normally: abort) requests wherever they are; all their blocks return."""
@@ -122,22 +189,26 @@ class Scheduler:
                 continue
             if req.status == _RUNNING:
                 drop_running = True
-            else:
+            elif req.fork_of is None or not self._unpark(req):
                 self.waiting.remove(req)
+                self.fork_ready.pop(rid, None)
             req.status = status
             self._free_request(req)
         if drop_running:
             self.running = [r for r in self.running if r.status == _RUNNING]
 
     def _free_request(self, req: Request) -> None:
+        if self.fork_waiters:
+            self._release_forks(req, fork=False)  # an aborted parent: siblings go on alone
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + self.num_parked
 
     def has_unfinished_requests(self) -> bool:
+        # Parked siblings imply a waiting or running parent.
         return bool(self.waiting) or bool(self.running)
 
     def reset_prefix_cache(self) -> bool:
@@ -147,7 +218,7 @@ class Scheduler:
         kv = self.kv_cache_manager
         return {
             "num_running": len(self.running),
-            "num_waiting": len(self.waiting),
+            "num_waiting": len(self.waiting) + self.num_parked,
             "kv_cache_usage": kv.usage,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
@@ -164,6 +235,10 @@ class Scheduler:
             num_new = budget
         if self.alignment > 1 and num_new > 1:
             num_new = self._align(req, num_computed, num_new)
+        if self.fork_waiters and req.request_id in self.fork_waiters:
+            point = req.num_prompt_tokens - 1  # stop at the fork point: siblings copy from there
+            if num_computed < point < num_computed + num_new:
+                num_new = point - num_computed
         return num_new
 
     def _align(self, req: Request, num_computed: int, num_new: int) -> int:
@@ -250,7 +325,8 @@ class Scheduler:
             max_running = self.max_num_running_reqs
             while waiting and budget > 0 and len(running) < max_running:
                 req = waiting.peek()
-                computed_blocks, num_hit = kv.get_computed_blocks(req)
+                fork = self._fork_hit(req) if self.fork_ready and req.request_id in self.fork_ready else None
+                computed_blocks, num_hit = fork if fork is not None else kv.get_computed_blocks(req)
                 num_new = req.num_tokens - num_hit
                 if not self.chunked_prefill and num_new > budget:
                     break
@@ -272,12 +348,14 @@ class Scheduler:
                     c = kv.state_copies(num_hit, num_hit + num_new)
                     if c:
                         copies[req.request_id] = c
-                    c = kv.take_prefix_page_copies(req)
-                    if c:
-                        page_copies[req.request_id] = c
+                c = kv.take_prefix_page_copies(req)
+                if c:
+                    page_copies[req.request_id] = c
                 num_scheduled[req.request_id] = num_new
                 new_reqs.append(req)
                 budget -= num_new
+                if self.fork_waiters and num_hit >= req.num_prompt_tokens - 1:
+                    self._release_forks(req, fork=False)  # the hit covers the fork point already
 
         # ---- build the output, then advance the computed counters
         new_data = [
@@ -363,6 +441,8 @@ class Scheduler:
         requests = self.requests
         kv = self.kv_cache_manager
         cache_recurrent = kv.has_recurrent_caching
+        copy_sources = kv.coordinator.cow.borrowed
+        fork_waiters = self.fork_waiters
         outputs: list[EngineCoreOutput] = []
         any_finished = False
         check_stop = self._check_stop
@@ -372,6 +452,10 @@ class Scheduler:
                 continue  # aborted or preempted since it was scheduled
             if cache_recurrent:
                 kv.cache_recurrent_blocks(req)
+            if copy_sources and rid in copy_sources:
+                kv.release_copy_sources(req)
+            if fork_waiters and rid in fork_waiters and req.num_computed_tokens >= req.num_prompt_tokens - 1:
+                self._release_forks(req, fork=req.num_computed_tokens == req.num_prompt_tokens - 1)
             i = index.get(rid)
             tokens = sampled[i] if i is not None else None
             finished = False
