@@ -1,4 +1,5 @@
-"""Hybrid and recurrent models (Mamba2, Bamba, Qwen3-Next) vs transformers, over a real paged pool.
+"""Hybrid and recurrent models (Mamba2, Bamba, Qwen3-Next, GraniteMoeHybrid, Falcon-H1) vs transformers,
+over a real paged pool.
 
 The harness plays the worker by hand, literally following the SchedulerOutput contract of
 ``tokenos/core/outputs.py``: block lists per KV-cache group from one shuffled free list, the running
@@ -98,7 +99,8 @@ def _hf_config(family: str):
         )
     if family.startswith("granitemoehybrid"):
         # muP multipliers all away from 1; "granitemoehybrid": 4 experts (top 2) beside the shared MLP and
-        # rotary attention in the middle; "_dense": no experts, attention first and without rotary.
+        # rotary attention in the middle; "_dense": no experts, attention first and without rotary ("nope",
+        # what Granite 4.0-H checkpoints say).
         moe = family == "granitemoehybrid"
         return transformers.GraniteMoeHybridConfig(
             hidden_size=32,
@@ -110,7 +112,7 @@ def _hf_config(family: str):
             num_key_value_heads=2,
             num_local_experts=4 if moe else 0,
             num_experts_per_tok=2,
-            position_embedding_type="rope" if moe else None,
+            position_embedding_type="rope" if moe else "nope",
             embedding_multiplier=3.0,
             residual_multiplier=0.5,
             attention_multiplier=0.25,

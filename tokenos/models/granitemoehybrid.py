@@ -48,9 +48,10 @@ class NoRotary(nn.Module):
 
 
 def uses_rope(config: ModelConfig) -> bool:
+    """Rotary only for "rope"; Granite 4.0-H checkpoints say "nope" (transformers: anything but "rope")."""
     kind = config.hf_config.get("position_embedding_type")
-    if kind not in (None, "rope"):
-        raise ValueError(f"position_embedding_type {kind!r} is not supported (use 'rope' or none)")
+    if kind not in (None, "nope", "rope"):
+        raise ValueError(f"position_embedding_type {kind!r} is not supported (use 'rope', 'nope' or null)")
     return kind == "rope"
 
 
