@@ -77,8 +77,10 @@ class GatedDeltaDims:
         if act not in ("silu", "swish"):
             raise ValueError(f"gated DeltaNet conv activation {act!r} is not supported (only silu)")
         if dims.num_v_heads % dims.num_k_heads:
-            raise ValueError(f"linear_num_value_heads {dims.num_v_heads} must be a multiple of "
-                             f"linear_num_key_heads {dims.num_k_heads}")
+            raise ValueError(
+                f"linear_num_value_heads {dims.num_v_heads} must be a multiple of "
+                f"linear_num_key_heads {dims.num_k_heads}"
+            )
         return dims
 
 
@@ -201,16 +203,24 @@ class GatedDeltaNet(RecurrentLayer):
             raise ValueError(f"hidden_states has {n} tokens, the batch {batch.num_tokens}")
         mixed, z, b, a = self._project(hidden_states)
         positions = None if checkpoint_every is None else batch.checkpoint_positions(checkpoint_every)
-        mixed, conv_snaps = causal_conv1d_varlen(mixed, self.conv1d.weight[:, 0], None, conv_state, batch,
-                                                 positions)
+        mixed, conv_snaps = causal_conv1d_varlen(
+            mixed, self.conv1d.weight[:, 0], None, conv_state, batch, positions
+        )
+        # A 16-bit model rounds to its dtype where transformers does: the conv output, beta and the core
+        # output (also where the FLA / vLLM kernels hand tensors over) and the normalized output
+        # (transformers' own); all else stays float32, and each `.to(dtype)` is free in float32. One
+        # rounding differs: transformers' conv also rounds before its SiLU, the shared conv does not
+        # (<= 1 ulp of the conv output).
+        dtype = hidden_states.dtype
+        mixed = mixed.to(dtype).float()
         q, k, v = mixed.split([d.key_dim, d.key_dim, d.value_dim], dim=-1)
         ratio = d.num_v_heads // d.num_k_heads
         # Value head h reads key head h // ratio (transformers' repeat_interleave).
         q = l2norm(q.reshape(n, d.num_k_heads, d.head_k_dim)).repeat_interleave(ratio, dim=1)
-        q = q * d.head_k_dim ** -0.5
+        q = q * d.head_k_dim**-0.5
         k = l2norm(k.reshape(n, d.num_k_heads, d.head_k_dim)).repeat_interleave(ratio, dim=1)
         v = v.reshape(n, d.num_v_heads, d.head_v_dim)
-        beta = b.float().sigmoid()
+        beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
 
         o = torch.zeros_like(v, dtype=torch.float32)
@@ -222,9 +232,10 @@ class GatedDeltaNet(RecurrentLayer):
             return chunk_gated_delta_rule(q, k, v, g, beta, layout, initial)
 
         states = advance_states(batch, recurrent_state, o, d.chunk_size, checkpoint_every, step, scan)
-        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + d.eps) * self.norm.weight.float()
-        o = (o * F.silu(z.float())).reshape(n, d.value_dim)
-        out = F.linear(o.to(hidden_states.dtype), self.out_proj.weight)
+        o = o.to(dtype).float()
+        o = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + d.eps)).to(dtype) * self.norm.weight
+        o = (o.float() * F.silu(z.float())).reshape(n, d.value_dim)
+        out = F.linear(o.to(dtype), self.out_proj.weight)
         if positions is None:
             return out, None
         return out, make_checkpoints(batch, positions, conv_snaps, states)

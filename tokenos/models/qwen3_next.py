@@ -4,8 +4,8 @@ Per layer (``layer_types``): a gated DeltaNet (``linear_attn``, recurrent state)
 (``self_attn``: q/k RMSNorm per head, partial rotary, ``o_proj(attn * sigmoid(gate))`` with the gate
 interleaved per head in ``q_proj``), then a sparse MoE block (softmax top-k router, experts, plus a
 sigmoid-gated shared expert) or a dense MLP. Every RMSNorm outside the DeltaNet stores ``weight - 1``
-(``(1 + w) * norm(x)``); we add the 1 once at load time. The MoE is computed plainly, one expert at a time
-over the tokens routed to it: clear and exact on CPU, not fast.
+(``(1 + w) * norm(x)``); we add the 1 once at load time, in float32 (``OffsetRMSNorm``). The MoE is
+computed plainly, one expert at a time over the tokens routed to it: clear and exact on CPU, not fast.
 """
 
 from __future__ import annotations
@@ -25,19 +25,38 @@ from tokenos.models.config import ModelConfig
 from tokenos.models.hybrid import HybridCausalLM, HybridDecoderLayer, PartialRotary, Rope, hf_attrs
 
 
-def _plus_one_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
-    if param.shape != loaded.shape:
-        raise ValueError(
-            f"Checkpoint tensor of shape {tuple(loaded.shape)} for parameter {tuple(param.shape)}"
-        )
-    param.data.copy_(loaded.float() + 1.0)
+class OffsetRMSNorm(RMSNorm):
+    """Qwen3-Next's zero-centred RMSNorm: the checkpoint stores ``w``, the scale is ``1 + w``.
+
+    ``w`` is rounded to the model dtype (transformers and vLLM hold it so), then the scale ``1 + w`` is
+    formed once, at load time, and kept in float32: rounded to bfloat16 it would lose the low bits of ``w``
+    (bf16 spacing is 2^-7 near 1, ~2^-11 near a typical |w| of 0.1), a fixed perturbation of every norm of
+    the model. In bfloat16 the norm is computed as transformers does it, ``(norm(x.float()) * (1 + w))
+    .to(bf16)``: one rounding, where ``RMSNorm``'s ``w * norm(x).to(bf16)`` rounds twice.
+    """
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__(hidden_size, eps)
+        self.model_dtype = dtype
+        self.weight = nn.Parameter(torch.empty(hidden_size, dtype=torch.float32), requires_grad=False)
+        self.weight.weight_loader = self._load_plus_one
+
+    def _load_plus_one(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if param.shape != loaded.shape:
+            raise ValueError(
+                f"Checkpoint tensor of shape {tuple(loaded.shape)} for parameter {tuple(param.shape)}"
+            )
+        param.data.copy_(loaded.to(self.model_dtype).float() + 1.0)
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
 
 
-def offset_rms_norm(size: int, eps: float) -> RMSNorm:
-    """An RMSNorm whose checkpoint weight is ``w - 1`` (Qwen3-Next's zero-centred norms)."""
-    norm = RMSNorm(size, eps)
-    norm.weight.weight_loader = _plus_one_loader
-    return norm
+def offset_norm(size: int, config: ModelConfig) -> OffsetRMSNorm:
+    return OffsetRMSNorm(size, config.rms_norm_eps, config.dtype)
 
 
 class Qwen3NextAttention(nn.Module):
@@ -51,8 +70,8 @@ class Qwen3NextAttention(nn.Module):
             config.hidden_size, self.head_dim, 2 * self.num_heads, self.num_kv_heads, bias
         )
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias)
-        self.q_norm = offset_rms_norm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = offset_rms_norm(self.head_dim, config.rms_norm_eps)
+        self.q_norm = offset_norm(self.head_dim, config)
+        self.k_norm = offset_norm(self.head_dim, config)
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
@@ -127,12 +146,12 @@ class Qwen3NextDecoderLayer(HybridDecoderLayer):
         self, config: ModelConfig, layer: int, kind: str, rotary: PartialRotary, dims: GatedDeltaDims
     ) -> None:
         super().__init__(kind)
-        self.input_layernorm = offset_rms_norm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = offset_norm(config.hidden_size, config)
         if kind == "full_attention":
             self.self_attn = Qwen3NextAttention(config, rotary)
         else:
             self.linear_attn = GatedDeltaNet(dims, params_dtype=config.dtype)
-        self.post_attention_layernorm = offset_rms_norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = offset_norm(config.hidden_size, config)
         if uses_moe(config, layer):
             self.mlp = Qwen3NextSparseMoe(config)
         else:
@@ -150,7 +169,7 @@ class Qwen3NextModel(DecoderStack):
         super().__init__(
             ("embed_tokens", embed),
             [Qwen3NextDecoderLayer(config, i, kind, rotary, dims) for i, kind in enumerate(kinds)],
-            ("norm", offset_rms_norm(config.hidden_size, config.rms_norm_eps)),
+            ("norm", offset_norm(config.hidden_size, config)),
             rotary,
         )
 
