@@ -61,7 +61,7 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], lis
     return tokens, logprobs
 
 
-@pytest.fixture(scope="module", params=["mamba2", "bamba", "qwen3_next"])
+@pytest.fixture(scope="module", params=["mamba2", "bamba", "qwen3_next", "granitemoehybrid", "falcon_h1"])
 def hybrid(request, tmp_path_factory):
     """(folder, transformers model) for each hybrid family: a tiny random float32 checkpoint."""
     from transformers import AutoModelForCausalLM
