@@ -8,6 +8,7 @@ import random
 
 import torch
 
+from tests.llm.recording import forked_counts, record_schedules
 from tests.models.test_hybrid_models import VOCAB
 from tokenos import LLM, SamplingParams
 
@@ -74,11 +75,19 @@ def test_prefix_hits_resume_from_checkpoints(hybrid):
 
 
 def test_n_greater_than_one(hybrid):
+    """Samples 1 and 2 fork from sample 0 once it has computed the prompt but its last token:
+    each copies the recurrent state eagerly and computes that one token itself."""
     folder, ref = hybrid
     prompts = prompts_of(2, 20, 50, seed=4)
-    outputs = run(make_llm(folder), prompts, n=3)
+    llm = make_llm(folder)
+    scheduled = record_schedules(llm)
+    outputs = run(llm, prompts, n=3)
     assert all(len(o.outputs) == 3 for o in outputs)
     check(outputs, prompts, ref)
+    computed = sum(so.total_num_scheduled_tokens for so in scheduled)
+    # Per prompt: the prompt once, the last prompt token twice more, 7 decode tokens per sample.
+    assert computed == sum(len(p) + 2 + 3 * (MAX_TOKENS - 1) for p in prompts)
+    assert forked_counts(scheduled) == sorted(2 * [len(p) - 1 for p in prompts])
 
 
 def test_preemption(hybrid):

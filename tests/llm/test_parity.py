@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tests.llm.conftest import build_tiny, hf_greedy, random_prompts
+from tests.llm.recording import forked_counts, record_schedules
 from tokenos import LLM, SamplingParams
 
 MAX_TOKENS = 10
@@ -80,11 +81,13 @@ def test_n_greater_than_one_shares_prompt(tiny_llama):
     folder, ref = tiny_llama
     prompts = random_prompts(2, 40, 60, seed=3)
     llm = make_llm(folder, block_size=16)
+    scheduled = record_schedules(llm)
     outputs = run_ours(llm, prompts, n=3)
     assert all(len(o.outputs) == 3 for o in outputs)
     assert [c.index for c in outputs[0].outputs] == [0, 1, 2]
     check_parity(outputs, prompts, ref)
-    assert llm.get_metrics()["prefix_cache_hits"] > 0
+    # Samples 1 and 2 fork from sample 0: its prompt pages shared, only the last token recomputed.
+    assert forked_counts(scheduled) == sorted(2 * [len(p) - 1 for p in prompts])
 
 
 @pytest.mark.parametrize(
