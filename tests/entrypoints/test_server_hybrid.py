@@ -36,7 +36,8 @@ def test_hybrid_served_matches_offline_and_hits_checkpoints(tiny_bamba):
 
     rng = random.Random(3)
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(40, 120))] for _ in range(4)]
-    server = Server(tiny_bamba, max_model_len=256)
+    # A pool that keeps every request's checkpoints (end checkpoints too) cached until the repeat.
+    server = Server(tiny_bamba, "--num-kv-blocks", "96", max_model_len=256)
     try:
         server.wait_ready()
         body = {"model": "tiny", "max_tokens": 10, "temperature": 0, "ignore_eos": True}

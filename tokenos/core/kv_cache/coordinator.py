@@ -56,6 +56,7 @@ class KVCacheCoordinator:
         self.eager_cachers = tuple(m for m in self.managers if not m.publishes_after_step)
         self.recurrent = tuple(m for m in self.managers if isinstance(m, MambaManager))
         self.skippers = tuple(m for m in self.managers if m.skips_blocks)
+        self.has_sliding_window = any(isinstance(m, SlidingWindowManager) for m in self.managers)
         # A "none"-mode recurrent group cannot resume from any prefix: caching is pointless.
         self.enable_caching = enable_caching and not any(
             isinstance(g.kv_cache_spec, MambaSpec) and g.kv_cache_spec.cache_mode == "none"

@@ -49,14 +49,14 @@ class KVCacheManager:
         self.prefix_cache_hits = 0
 
     def _make_fine(self, config: KVCacheConfig, hash_fn, checkpoint_at_end: bool) -> FinePrefixCache | None:
-        """Fine-grained hybrid hits, only when asked for: end checkpoints, or a recurrent
-        checkpoint interval different from the attention page size (else: vLLM's behaviour)."""
+        """Fine-grained hybrid hits: end checkpoints (on by default), or a recurrent checkpoint
+        interval different from the attention page size. Without either: vLLM's behaviour."""
         coord = self.coordinator
         if not self.enable_caching or not coord.recurrent:
             return None
         sizes = {m.block_size for m in coord.managers}
-        if not checkpoint_at_end and len(sizes) == 1:
-            return None
+        if len(sizes) == 1 and (not checkpoint_at_end or coord.has_sliding_window):
+            return None  # end checkpoints are not supported beside sliding windows: skip them
         return FinePrefixCache(
             coord.managers, self.block_pool, config.hash_block_size, hash_fn, checkpoint_at_end
         )
@@ -147,7 +147,8 @@ class KVCacheManager:
         return self.coordinator.fork_hit(parent.request_id, fork_point), fork_point
 
     def publish_end_checkpoint(self, request: Request) -> None:
-        """A request finished normally: publish its exact end state (when enabled)."""
+        """A request finished or was aborted between steps: publish the exact state after its
+        computed tokens (when enabled). Every step that counted them has run by then."""
         if self.fine is not None:
             self.fine.publish_end(request)
 

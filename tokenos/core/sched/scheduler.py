@@ -189,6 +189,10 @@ class Scheduler:
                 continue
             if req.status == _RUNNING:
                 drop_running = True
+                # Aborts arrive between steps (a stop string, a client gone): the computed tokens
+                # are all written, so the end checkpoint serves the next turn all the same.
+                if self.kv_cache_manager.has_recurrent_caching and req.num_computed_tokens:
+                    self.kv_cache_manager.publish_end_checkpoint(req)
             elif req.fork_of is None or not self._unpark(req):
                 self.waiting.remove(req)
                 self.fork_ready.pop(rid, None)
@@ -416,7 +420,12 @@ class Scheduler:
             copies.pop(rid, None)
             self.kv_cache_manager.free_unfinished_step(victim)
         else:
-            self.kv_cache_manager.free(victim)
+            kv = self.kv_cache_manager
+            if kv.has_recurrent_caching and victim.num_computed_tokens:
+                # Every step it was scheduled in has run: checkpoint exactly where it stops, so it
+                # resumes there (if the pages survive) instead of at an earlier boundary.
+                kv.publish_end_checkpoint(victim)
+            kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
