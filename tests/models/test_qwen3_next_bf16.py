@@ -3,8 +3,8 @@
 A bf16 forward of this tiny random model amplifies single-ulp differences into logit differences of ~1
 (a near-tie in MoE routing flips, or a norm's input shifts by an ulp), so whole-model logits cannot tell a
 wrong cast from rounding noise. The modules can: given the same bf16 input, code that rounds where
-transformers rounds gives the same bits. The zero-centred norms do; the gated DeltaNet does once the
-conv's rounding point is aligned (tokenos' shared conv rounds after the SiLU, transformers' before it).
+transformers rounds gives the same bits: the zero-centred norms and the gated DeltaNet (with its conv)
+do.
 The whole model is checked statistically: no further from float32 than transformers' bf16 forward.
 """
 
@@ -14,11 +14,9 @@ import contextlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.models.test_hybrid_models import PoolRunner, _hf_config, _perturb, prompt
-from tokenos.layers import gated_delta
-from tokenos.layers.short_conv import RecurrentBatch, causal_conv1d_varlen
+from tokenos.layers.short_conv import RecurrentBatch
 from tokenos.models import build_model, load_model_config
 
 
@@ -56,22 +54,12 @@ def test_zero_centred_norms_match_bitwise(models):
         assert torch.equal(mine(x), theirs(x))
 
 
-def conv_as_transformers(x, weight, bias, conv_state, batch, snapshots=None):
-    """``causal_conv1d_varlen`` rounding where transformers' bf16 ``conv1d`` does: its output before the
-    SiLU (tokenos' conv, shared with Mamba2, rounds only after). One request per batch."""
-    window = torch.cat([batch.read_states(conv_state)[0], x.float()])
-    _, snaps = causal_conv1d_varlen(x, weight, bias, conv_state, batch, snapshots)  # advances the state
-    pre = F.conv1d(window.T[None], weight.float()[:, None], groups=weight.shape[0])[0].T
-    return F.silu(pre.to(x.dtype)).float(), snaps
-
-
 @torch.no_grad()
-def test_gated_delta_rounds_where_transformers_does(models, monkeypatch):
-    """Prefill of 40 tokens then 4 decode steps, both sides cached: bit for bit, once the conv's rounding
-    point (not this layer's) is aligned. Without it the two differ by up to 2 ulp."""
+def test_gated_delta_rounds_where_transformers_does(models):
+    """Prefill of 40 tokens then 4 decode steps, both sides cached: bit for bit (the shared conv rounds
+    its output before the SiLU, as transformers' bf16 conv1d does; otherwise up to 2 ulp apart)."""
     from transformers.cache_utils import DynamicCache
 
-    monkeypatch.setattr(gated_delta, "causal_conv1d_varlen", conv_as_transformers)
     ours, ref16, _ = models
     for i, layer in enumerate(ours.stack.layers):
         if layer.kind == "full_attention":

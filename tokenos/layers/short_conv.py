@@ -244,6 +244,10 @@ def causal_conv1d_varlen(
         reqs = torch.tensor([r for r, _ in snapshots], dtype=torch.long, device=x.device)
         offs = torch.tensor([n for _, n in snapshots], dtype=torch.long, device=x.device)
         snap = ext[state_start[reqs][:, None] + offs[:, None] + window]
+    if x.dtype != torch.float32:
+        # A low-precision conv rounds its output before the activation (transformers and the
+        # causal-conv1d kernels do): round here too, so bf16 states match the reference's.
+        out = out.to(x.dtype).float()
     return F.silu(out), snap
 
 
