@@ -1,6 +1,7 @@
 """`tokenos bench hybrid`: a tiny hybrid (attention + Mamba2) against a same-size pure-attention
-model, at growing context: decode tokens/s, KV-cache memory per request, and time to first
-token with and without a prefix hit on a shared prefix.
+model, at growing context: decode tokens/s, KV-cache memory per request, time to first token
+with and without a prefix hit on a shared prefix, and n > 1 sampling with forks (the prompt
+computed once, the state copied to each sample) against n independent copies of the prompt.
 
 Both models are random-weight checkpoints written on the fly with transformers' configs
 (Bamba for the hybrid, Llama for attention), same hidden size and depth. The recurrent state
@@ -128,25 +129,66 @@ def measure_prefix_ttft(path: str, prefix_len: int, suffix_len: int, seed: int) 
     }
 
 
+def measure_fork(path: str, prompt_len: int, n: int, new_tokens: int, seed: int) -> dict:
+    """One prompt, n samples: `SamplingParams(n=n)` (samples 1..n-1 fork from sample 0) against n
+    separate requests of the same prompt submitted together (no fork: for a hybrid, none can use
+    another's unwritten checkpoint, so each computes the whole prompt)."""
+    from tokenos import LLM, SamplingParams
+
+    rng = random.Random(seed)
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=prompt_len + new_tokens + 16)
+    scheduler = llm.engine.scheduler
+    schedule = scheduler.schedule
+    computed = [0]
+
+    def counting():
+        so = schedule()
+        computed[0] += so.total_num_scheduled_tokens
+        return so
+
+    scheduler.schedule = counting
+    row: dict = {"prompt_len": prompt_len, "n": n, "new_tokens": new_tokens}
+    for name in ("fork", "copies"):
+        prompt = [rng.randrange(3, 4096) for _ in range(prompt_len)]  # fresh: no earlier hits
+        samples = n if name == "fork" else 1
+        params = SamplingParams(
+            n=samples, temperature=1.0, seed=seed, max_tokens=new_tokens, ignore_eos=True, detokenize=False
+        )
+        requests = [{"prompt_token_ids": prompt}] * (n // samples)
+        computed[0] = 0
+        t = time.perf_counter()
+        llm.generate(requests, params, use_tqdm=False)
+        row[f"{name}_s"] = round(time.perf_counter() - t, 3)
+        row[f"{name}_tokens_computed"] = computed[0]
+    return row
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tokenos bench hybrid", description=__doc__)
     parser.add_argument("--contexts", default="1024,4096,16384")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--prefix-len", type=int, default=2048)
+    parser.add_argument("--fork-n", type=int, default=4, help="samples per prompt in the fork measurement")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sections", default="context,prefix,fork", help="comma-separated subset of context,prefix,fork"
+    )
     args = parser.parse_args(argv)
+    sections = set(args.sections.split(","))
     contexts = [int(c) for c in args.contexts.split(",")]
     with tempfile.TemporaryDirectory() as root:
         paths = write_checkpoints(root, max(contexts) + args.new_tokens + 64)
         for name, path in paths.items():
-            for context in contexts:
-                row = measure_context(path, context, args.batch, args.new_tokens, args.seed)
+            rows = []
+            if "context" in sections:
+                rows += [measure_context(path, c, args.batch, args.new_tokens, args.seed) for c in contexts]
+            if "prefix" in sections:
+                rows.append(measure_prefix_ttft(path, args.prefix_len, 32, args.seed))
+            if "fork" in sections:
+                rows.append(measure_fork(path, args.prefix_len, args.fork_n, args.new_tokens, args.seed))
+            for row in rows:
                 print(json.dumps({"model": name, **row}), flush=True)
-            print(
-                json.dumps({"model": name, **measure_prefix_ttft(path, args.prefix_len, 32, args.seed)}),
-                flush=True,
-            )
 
 
 if __name__ == "__main__":
