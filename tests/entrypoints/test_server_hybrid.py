@@ -1,6 +1,6 @@
-"""A hybrid model (attention + Mamba2, Bamba architecture) served for real: the server process,
-the engine core in its own process, greedy completions identical to the offline LLM, and a
-repeated prompt resuming from a recurrent-state checkpoint (prefix-cache hits in /metrics)."""
+"""Hybrid models (pure Mamba2, Bamba, Qwen3-Next) served for real: the server process, the engine
+core in its own process, greedy completions identical to the offline LLM, and a repeated prompt
+resuming from a recurrent-state checkpoint (prefix-cache hits in /metrics)."""
 
 from __future__ import annotations
 
@@ -14,30 +14,32 @@ from tests.entrypoints.test_server import Server, _metric
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
-@pytest.fixture(scope="module")
-def tiny_bamba(tmp_path_factory) -> str:
+@pytest.fixture(scope="module", params=["mamba2", "bamba", "qwen3_next"])
+def tiny_hybrid(request, tmp_path_factory) -> str:
+    """The tiny model of the model tests, one per kind (pure Mamba2, attention + Mamba2, gated
+    DeltaNet + gated attention + MoE), with the real tokenizer's vocabulary."""
     import torch
-    from transformers import BambaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     from tests.models.test_hybrid_models import _hf_config
     from tokenos.engine.tokenizer import load_tokenizer
 
-    path = str(tmp_path_factory.mktemp("tiny-bamba"))
+    path = str(tmp_path_factory.mktemp(f"tiny-{request.param}"))
     torch.manual_seed(0)
-    config = _hf_config("bamba")  # the tiny Bamba of the model tests, with the real tokenizer's vocabulary
+    config = _hf_config(request.param)
     config.vocab_size = 49152
-    BambaForCausalLM(config).save_pretrained(path)
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
     load_tokenizer(None).hf.save_pretrained(path)
     return path
 
 
-def test_hybrid_served_matches_offline_and_hits_checkpoints(tiny_bamba):
+def test_hybrid_served_matches_offline_and_hits_checkpoints(tiny_hybrid):
     from tokenos import LLM, SamplingParams
 
     rng = random.Random(3)
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(40, 120))] for _ in range(4)]
     # A pool that keeps every request's checkpoints (end checkpoints too) cached until the repeat.
-    server = Server(tiny_bamba, "--num-kv-blocks", "96", max_model_len=256)
+    server = Server(tiny_hybrid, "--num-kv-blocks", "96", max_model_len=256)
     try:
         server.wait_ready()
         body = {"model": "tiny", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
@@ -50,7 +52,7 @@ def test_hybrid_served_matches_offline_and_hits_checkpoints(tiny_bamba):
         assert _metric(metrics, "tokenos:prefix_cache_hits_total") > 0
     finally:
         server.stop()
-    llm = LLM(tiny_bamba, dtype="float32", max_model_len=256)
+    llm = LLM(tiny_hybrid, dtype="float32", max_model_len=256)
     offline = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],
         SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
