@@ -83,21 +83,39 @@ class RecurrentBatch:
                                                device=self.device)
         self._conv_rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._chunk_layouts: dict[tuple[int, bool], ChunkLayout] = {}
+        # Every layer of the step reads and writes the same rows: index them once (decode steps are
+        # dominated by such per-layer bookkeeping).
+        self._rows: dict[tuple[int, ...] | None, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        # All requests decode one token each: the conv takes its one-token path.
+        self.all_decode = self.num_reqs > 0 and len(self.decode_reqs) == self.num_reqs
+
+    def _rows_of(self, reqs: list[int] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(state rows, "has an initial state" mask or None when every request has one) of ``reqs``."""
+        key = None if reqs is None or len(reqs) == self.num_reqs else tuple(reqs)
+        cached = self._rows.get(key)
+        if cached is None:
+            if key is None:
+                rows, keep = self.state_rows, self.has_initial_state
+            else:
+                idx = torch.tensor(key, dtype=torch.long, device=self.device)
+                rows, keep = self.state_rows[idx], self.has_initial_state[idx]
+            cached = self._rows[key] = (rows, None if bool(keep.all()) else keep)
+        return cached
 
     def read_states(self, state: torch.Tensor, reqs: list[int] | None = None) -> torch.Tensor:
         """Gather the states of ``reqs`` (default all) as float32, zeros where there is no initial state."""
-        idx = torch.arange(self.num_reqs, device=self.device) if reqs is None else torch.tensor(
-            reqs, dtype=torch.long, device=self.device)
-        rows = state.index_select(0, self.state_rows[idx]).float()
-        keep = self.has_initial_state[idx].view(-1, *([1] * (rows.dim() - 1)))
+        idx, keep = self._rows_of(reqs)
+        rows = state.index_select(0, idx).float()
+        if keep is None:
+            return rows
+        keep = keep.view(-1, *([1] * (rows.dim() - 1)))
         return torch.where(keep, rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
 
     def write_states(self, state: torch.Tensor, reqs: list[int], new: torch.Tensor) -> None:
         """Write ``new[i]`` as the state of request ``reqs[i]``, in place in ``state``."""
         if not reqs:
             return
-        idx = torch.tensor(reqs, dtype=torch.long, device=self.device)
-        state.index_copy_(0, self.state_rows[idx], new.to(state.dtype))
+        state.index_copy_(0, self._rows_of(reqs)[0], new.to(state.dtype))
 
     def checkpoint_positions(self, every: int) -> list[tuple[int, int]]:
         """``(request, tokens into this step)`` for every absolute multiple of ``every`` this step reaches."""
@@ -200,6 +218,24 @@ def make_checkpoints(
     return StateCheckpoints(req, num, conv_states, recurrent_states)
 
 
+def _conv1d_one_token(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    conv_state: torch.Tensor,
+    batch: RecurrentBatch,
+) -> torch.Tensor:
+    """``causal_conv1d_varlen`` when every request brings exactly one token (x row r is request r)."""
+    window = torch.cat([batch.read_states(conv_state), x.float()[:, None]], dim=1)  # [R, K, C]
+    out = (window * weight.float().T).sum(dim=1)
+    if bias is not None:
+        out = out + bias.float()
+    batch.write_states(conv_state, batch.decode_reqs, window[:, 1:])
+    if x.dtype != torch.float32:
+        out = out.to(x.dtype).float()  # round before the activation, as in the general path
+    return F.silu(out)
+
+
 def causal_conv1d_varlen(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -220,6 +256,8 @@ def causal_conv1d_varlen(
     """
     k = weight.shape[1]
     k1 = k - 1
+    if batch.all_decode and snapshots is None and k1 > 0:
+        return _conv1d_one_token(x, weight, bias, conv_state, batch), None
     token_rows, state_start = batch.conv_rows(k)
     channels = x.shape[1]
     ext = x.new_empty((batch.num_tokens + batch.num_reqs * k1, channels), dtype=torch.float32)
