@@ -118,3 +118,22 @@ def test_gguf_file_matches_gguf_reader(tmp_path):
         expected = dequantize(theirs.data, theirs.tensor_type).reshape(mine.shape)
         np.testing.assert_array_equal(ours.dequantize(mine), expected)
     np.testing.assert_allclose(ours.dequantize(ours.tensors[1]), dense, atol=0.05)
+
+
+def test_qwen3_next_skips_multi_token_prediction_weights(tmp_path):
+    """Released Qwen3-Next checkpoints carry ``mtp.*`` tensors the model does not run: skipped. A
+    tensor no parameter claims anywhere else is still an error."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_hybrid_models import _hf_config
+    from tokenos.model_loader.loader import iter_checkpoint_weights, load_weights
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_hf_config("qwen3_next")).save_pretrained(tmp_path)
+    config = load_model_config(str(tmp_path), dtype="float32", max_model_len=64)
+    model = build_model(config, load=False)
+    extra = [("mtp.fc.weight", torch.zeros(4, 4)), ("mtp.layers.0.mlp.gate.weight", torch.zeros(2, 4))]
+    load_weights(model, config, [*iter_checkpoint_weights(config), *extra])
+    stray = ("model.extra.weight", torch.zeros(1))
+    with pytest.raises(ValueError, match="no matching parameter"):
+        load_weights(model, config, [*iter_checkpoint_weights(config), stray])

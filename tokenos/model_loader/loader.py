@@ -42,11 +42,15 @@ def load_weights(model: nn.Module, config: ModelConfig, weights: Iterable | None
     """Load ``weights`` (default: the checkpoint of ``config``) into ``model``."""
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules_mapping", {})
+    # Checkpoint parts the model does not run (e.g. multi-token-prediction heads): skipped by name.
+    ignored_prefixes = tuple(getattr(model, "ignored_weight_prefixes", ()))
     loaded: dict[str, set] = {name: set() for name in params}
     with torch.no_grad():
         for name, tensor in weights if weights is not None else iter_checkpoint_weights(config):
-            if name.endswith(_IGNORED_SUFFIXES) or (
-                config.tie_word_embeddings and name.startswith("lm_head.")
+            if (
+                name.endswith(_IGNORED_SUFFIXES)
+                or (config.tie_word_embeddings and name.startswith("lm_head."))
+                or (ignored_prefixes and name.startswith(ignored_prefixes))
             ):
                 continue
             target, shard_id = _resolve(name, packed)

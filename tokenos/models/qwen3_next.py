@@ -178,6 +178,8 @@ class Qwen3NextForCausalLM(HybridCausalLM):
     """Qwen3-Next (e.g. 80B-A3B) layout; multi-token-prediction (``mtp.*``) weights are skipped."""
 
     packed_modules_mapping = FUSED_QKV_GATE_UP
+    # Released checkpoints carry a multi-token-prediction layer for speculative decoding; unused here.
+    ignored_weight_prefixes = ("mtp.",)
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, "model", Qwen3NextModel(config))
