@@ -36,15 +36,17 @@ def run_one(s, w, checker, req):
 
 def test_interval_is_independent_of_the_attention_page() -> None:
     specs = {"a": FullAttentionSpec(16, 1, 8, "float32"), "m": MambaSpec(((3, 8),), ("float32",), 16)}
-    cfg = get_kv_cache_config(specs, available_memory_bytes=None, num_blocks=64, max_model_len=64,
-                              mamba_checkpoint_interval=4)
+    cfg = get_kv_cache_config(
+        specs, available_memory_bytes=None, num_blocks=64, max_model_len=64, mamba_checkpoint_interval=4
+    )
     assert cfg.kernel_block_sizes == [16, 4]
     assert cfg.hash_block_size == 4 and cfg.scheduler_alignment == 4
     pages = {g.kv_cache_spec.page_size_bytes for g in cfg.kv_cache_groups}
     assert len(pages) == 1  # the interval is tokens, the page bytes: one pool still
     with pytest.raises(ValueError, match="neither divides"):
-        get_kv_cache_config(specs, available_memory_bytes=None, num_blocks=64, max_model_len=64,
-                            mamba_checkpoint_interval=6)
+        get_kv_cache_config(
+            specs, available_memory_bytes=None, num_blocks=64, max_model_len=64, mamba_checkpoint_interval=6
+        )
 
 
 def test_default_is_unchanged() -> None:
@@ -128,4 +130,23 @@ def test_preempted_request_resumes_from_its_checkpoint() -> None:
         resumed += [n.num_computed_tokens for n in so.scheduled_new_reqs if n.output_token_ids]
     assert s.num_preemptions > 0
     assert resumed and max(resumed) > 0
+    checker.check_all_free()
+
+
+def test_all_mode_keeps_checkpoints_cached_not_pinned() -> None:
+    """ "all" mode writes a checkpoint every interval, but a running request holds only its previous
+    and running recurrent pages: the published ones wait in the evictable cache, and still hit."""
+    s, w, checker = make(attn(8), mamba(4, "all"), budget=16)
+    long = make_request("long", list(range(1, 42)), max_tokens=20)
+    s.add_request(long)
+    while long.num_computed_tokens < long.num_prompt_tokens:
+        step(s, w, checker)
+    step(s, w, checker)  # a decode step: the checkpoints of the prompt's last chunk are freed too
+    held = [b for b in s.kv_cache_manager.get_block_ids("long")[1] if b]
+    assert len(held) <= 2  # not ceil(41 / 4) = 11 pinned pages
+    other = make_request("other", list(range(1, 30)) + [7, 7], max_tokens=2)
+    so = run_one(s, w, checker, other)
+    assert so.scheduled_new_reqs[0].num_computed_tokens == 28  # the last interval checkpoint shared
+    while s.has_unfinished_requests():
+        step(s, w, checker)
     checker.check_all_free()
