@@ -1,4 +1,5 @@
-"""Hybrid and recurrent models (Mamba2, Bamba, Qwen3-Next, GraniteMoeHybrid, Falcon-H1) vs transformers,
+"""Hybrid and recurrent models (Mamba2, Bamba, Qwen3-Next, GraniteMoeHybrid, Falcon-H1, NemotronH) vs
+transformers,
 over a real paged pool.
 
 The harness plays the worker by hand, literally following the SchedulerOutput contract of
@@ -161,6 +162,33 @@ def _hf_config(family: str):
             initializer_range=0.2,
             **{**common, "tie_word_embeddings": norm},
         )
+    if family == "nemotron_h":
+        # One block of every kind: Mamba2, attention (no rotary), relu2 MLP, MoE (8 experts in 2 groups of
+        # 4, top 2 from the best group, scaled by 2.5, plus a shared expert), Mamba2 again.
+        return transformers.NemotronHConfig(
+            hidden_size=32,
+            intermediate_size=48,
+            hybrid_override_pattern="M*-EM",
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            n_groups=2,
+            ssm_state_size=8,
+            conv_kernel=4,
+            chunk_size=8,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            moe_shared_expert_intermediate_size=24,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            max_position_embeddings=256,
+            initializer_range=0.2,
+            **common,
+        )
     raise KeyError(family)
 
 
@@ -174,6 +202,9 @@ def _perturb(model: torch.nn.Module) -> None:
                 p.normal_(0, 0.1)
             elif name.endswith("A_log"):
                 p.uniform_(-1, 1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # NemotronH's router: a buffer, but checkpointed
+                b.normal_(0, 0.5)
 
 
 @pytest.fixture(
@@ -186,6 +217,7 @@ def _perturb(model: torch.nn.Module) -> None:
         "granitemoehybrid_dense",
         "falcon_h1",
         "falcon_h1_norm",
+        "nemotron_h",
     ],
 )
 def family(request, tmp_path_factory):
@@ -392,7 +424,7 @@ def test_kv_cache_spec_and_unified_block_size(family):
     # One block size for every group after unification: recurrent boundaries line up with attention's.
     assert len(sizes) == 1
     assert {g.kv_cache_spec.page_size_bytes for g in config.kv_cache_groups} == {config.page_size_bytes}
-    if name in ("bamba", "granitemoehybrid", "granitemoehybrid_dense", "falcon_h1"):  # Bamba's dims
+    if name in ("bamba", "granitemoehybrid", "granitemoehybrid_dense", "falcon_h1", "nemotron_h"):
         assert sizes == {32}  # one Mamba state (3200 B) needs two 16-token attention pages of 1 KiB
     else:
         assert sizes == {16}

@@ -30,6 +30,7 @@ SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
     "Qwen3NextForCausalLM": {},
     "GraniteMoeHybridForCausalLM": {},
     "FalconH1ForCausalLM": {},
+    "NemotronHForCausalLM": {},
 }
 
 # GGUF general.architecture -> HF architecture name.
@@ -171,6 +172,8 @@ def _fields_from_hf(folder: str) -> dict[str, Any]:
         raise FileNotFoundError(f"{folder} has no config.json; is it a Hugging Face model folder?")
     with open(config_file) as f:
         cfg = json.load(f)
+    if "num_hidden_layers" not in cfg and cfg.get("layers_block_type"):
+        cfg["num_hidden_layers"] = len(cfg["layers_block_type"])  # NemotronH as transformers 5 saves it
     architectures = cfg.get("architectures") or []
     architecture = architectures[0] if architectures else "<missing architectures>"
     flags = _check_architecture(architecture)

@@ -11,6 +11,7 @@ from tokenos.models.falcon_h1 import FalconH1ForCausalLM
 from tokenos.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from tokenos.models.llama import LlamaForCausalLM
 from tokenos.models.mamba2 import Mamba2ForCausalLM
+from tokenos.models.nemotron_h import NemotronHForCausalLM
 from tokenos.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -24,6 +25,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "FalconH1ForCausalLM": FalconH1ForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 
