@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
+from tokenos.config import CacheConfig, SchedulerConfig
 from tokenos.core.hashing import exact_prefix_hash
 from tokenos.core.kv_cache.spec import (
     FullAttentionSpec,
@@ -290,7 +291,7 @@ class Checker:
             else:
                 self._check_page_prefix(block, prefix, spec.block_size)
         fine = self.s.kv_cache_manager.fine
-        for key, (block, generation) in (fine.sub.items() if fine is not None else ()):
+        for key, (block, generation) in fine.sub.items() if fine is not None else ():
             if block.generation == generation:  # a live sub-page entry: its slots hold the prefix
                 prefix = self.hash_to_prefix.get(key[:-4])
                 assert prefix is not None, "a sub-page entry no request ever had"
@@ -310,6 +311,19 @@ class Checker:
         assert not self.s.requests
         assert pool.get_num_free_blocks() == pool.num_blocks - 1, "blocks leaked"
         assert pool.get_usage() == 0.0
+
+
+def make_engine(*specs, at_end: bool = False, num_blocks: int = 64, budget: int = 64):
+    """(scheduler, fake worker, checker) over one group per spec, up to 8 running requests."""
+    cfg = make_config(num_blocks, *specs)
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8),
+        CacheConfig(mamba_checkpoint_at_end=at_end),
+        cfg,
+        max_model_len=128,
+    )
+    w = FakeWorker(cfg)
+    return s, w, Checker(s, w)
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 8, **kw) -> Request:

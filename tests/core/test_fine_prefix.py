@@ -5,23 +5,11 @@ Driven through the real scheduler and the contract-checking fake worker."""
 from __future__ import annotations
 
 import pytest
-from core_sim import Checker, FakeWorker, attn, make_config, make_request, mamba, step
+from core_sim import attn, make_engine, make_request, mamba, step
 
-from tokenos.config import CacheConfig, SchedulerConfig
 from tokenos.core.kv_cache.spec import FullAttentionSpec, MambaSpec, get_kv_cache_config
-from tokenos.core.sched.scheduler import Scheduler
 
-
-def make(*specs, at_end: bool = False, num_blocks: int = 64, budget: int = 64):
-    cfg = make_config(num_blocks, *specs)
-    s = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8),
-        CacheConfig(block_size=8, mamba_checkpoint_at_end=at_end),
-        cfg,
-        max_model_len=128,
-    )
-    w = FakeWorker(cfg)
-    return s, w, Checker(s, w)
+make = make_engine
 
 
 def run_one(s, w, checker, req):

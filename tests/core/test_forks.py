@@ -7,24 +7,15 @@ forked from the wrong page, or from a page the parent had already advanced, fail
 from __future__ import annotations
 
 import pytest
-from core_sim import LAYOUTS, Checker, FakeWorker, make_config, make_request, step
+from core_sim import LAYOUTS, make_engine, make_request, step
 
-from tokenos.config import CacheConfig, SchedulerConfig
 from tokenos.core.kv_cache.spec import MambaSpec
 from tokenos.core.request import RequestStatus
 from tokenos.core.sched.scheduler import Scheduler
 
 
-def make(layout: str, num_blocks: int = 64, budget: int = 64, at_end: bool = False):
-    cfg = make_config(num_blocks, *LAYOUTS[layout]())
-    s = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8),
-        CacheConfig(block_size=4, mamba_checkpoint_at_end=at_end),
-        cfg,
-        max_model_len=128,
-    )
-    w = FakeWorker(cfg)
-    return s, w, Checker(s, w)
+def make(layout: str, **kw):
+    return make_engine(*LAYOUTS[layout](), **kw)
 
 
 def add_family(s: Scheduler, prompt: list[int], n: int, max_tokens: int = 6) -> list:
