@@ -12,6 +12,7 @@ from transformers import Qwen3NextConfig
 from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
+from tests.layers.recurrent_harness import check_split_prefill_equals_one_pass, nan_states, run
 from tokenos.layers.gated_delta import GatedDeltaDims, GatedDeltaNet, chunk_gated_delta_rule, gated_delta_step
 from tokenos.layers.short_conv import RecurrentBatch
 
@@ -42,16 +43,6 @@ def layers(config: Qwen3NextConfig) -> tuple[Qwen3NextGatedDeltaNet, GatedDeltaN
     return hf, ours
 
 
-def run(ours: GatedDeltaNet, seqs: list[torch.Tensor], conv: torch.Tensor, rec: torch.Tensor,
-        has_init: list[bool], state_indices: list[int] | None = None) -> list[torch.Tensor]:
-    """One call over several requests; returns each request's output rows."""
-    lengths = [len(s) for s in seqs]
-    qsl = torch.tensor([0] + lengths).cumsum(0)
-    batch = RecurrentBatch(qsl, torch.tensor(has_init),
-                           None if state_indices is None else torch.tensor(state_indices))
-    return list(ours(torch.cat(seqs), batch, conv, rec).split(lengths))
-
-
 def shapes(config: Qwen3NextConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
     state_shapes, dtypes = GatedDeltaNet.state_shapes(config)
     assert dtypes == ("float32", "float32")
@@ -59,8 +50,7 @@ def shapes(config: Qwen3NextConfig) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 
 def fresh_states(config: Qwen3NextConfig, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    conv_shape, rec_shape = shapes(config)
-    return torch.full((n, *conv_shape), float("nan")), torch.full((n, *rec_shape), float("nan"))
+    return nan_states(shapes(config), n)
 
 
 def random_states(config: Qwen3NextConfig, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,19 +102,7 @@ def test_full_prefill_matches_transformers(config, layers) -> None:
 @torch.no_grad()
 @pytest.mark.parametrize("pieces", [[1, 7, 13, 2, 17], [3, 1, 1, 30, 1], [16, 16, 17, 5]])
 def test_split_prefill_equals_one_pass(config, layers, pieces) -> None:
-    _, ours = layers
-    torch.manual_seed(3)
-    x = torch.randn(sum(pieces), HIDDEN)
-    conv1, rec1 = fresh_states(config, 1)
-    whole = run(ours, [x], conv1, rec1, [False])[0]
-    conv2, rec2 = fresh_states(config, 1)
-    parts, start = [], 0
-    for i, n in enumerate(pieces):
-        parts.append(run(ours, [x[start:start + n]], conv2, rec2, [i > 0])[0])
-        start += n
-    torch.testing.assert_close(torch.cat(parts), whole, atol=ATOL, rtol=0)
-    torch.testing.assert_close(conv2, conv1, atol=ATOL, rtol=0)
-    torch.testing.assert_close(rec2, rec1, atol=ATOL, rtol=0)
+    check_split_prefill_equals_one_pass(layers[1], shapes(config), HIDDEN, pieces, seed=3, atol=ATOL)
 
 
 @torch.no_grad()

@@ -10,6 +10,7 @@ from transformers import Mamba2Config
 from transformers.cache_utils import DynamicCache
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2Mixer
 
+from tests.layers.recurrent_harness import check_split_prefill_equals_one_pass, nan_states, run
 from tokenos.layers.mamba2 import Mamba2Dims, Mamba2Mixer
 from tokenos.layers.short_conv import RecurrentBatch
 
@@ -44,20 +45,8 @@ def state_shapes(config: Mamba2Config) -> tuple[tuple[int, ...], tuple[int, ...]
     return shapes
 
 
-def run(ours: Mamba2Mixer, seqs: list[torch.Tensor], conv: torch.Tensor, ssm: torch.Tensor,
-        has_init: list[bool], state_indices: list[int] | None = None) -> list[torch.Tensor]:
-    """One call over several requests; returns each request's output rows."""
-    lengths = [len(s) for s in seqs]
-    qsl = torch.tensor([0] + lengths).cumsum(0)
-    batch = RecurrentBatch(qsl, torch.tensor(has_init),
-                           None if state_indices is None else torch.tensor(state_indices))
-    out = ours(torch.cat(seqs), batch, conv, ssm)
-    return list(out.split(lengths))
-
-
 def fresh_states(config: Mamba2Config, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    conv_shape, ssm_shape = state_shapes(config)
-    return torch.full((n, *conv_shape), float("nan")), torch.full((n, *ssm_shape), float("nan"))
+    return nan_states(state_shapes(config), n)
 
 
 def hf_with_cache(hf: HFMamba2Mixer, config: Mamba2Config, x: torch.Tensor
@@ -104,19 +93,7 @@ def test_scan_chunk_size_is_free(config, layers, chunk) -> None:
 @torch.no_grad()
 @pytest.mark.parametrize("pieces", [[1, 7, 13, 2, 17], [3, 1, 1, 30, 1], [8, 8, 9, 10]])
 def test_split_prefill_equals_one_pass(config, layers, pieces) -> None:
-    _, ours = layers
-    torch.manual_seed(2)
-    x = torch.randn(sum(pieces), HIDDEN)
-    conv1, ssm1 = fresh_states(config, 1)
-    whole = run(ours, [x], conv1, ssm1, [False])[0]
-    conv2, ssm2 = fresh_states(config, 1)
-    parts, start = [], 0
-    for i, n in enumerate(pieces):
-        parts.append(run(ours, [x[start:start + n]], conv2, ssm2, [i > 0])[0])
-        start += n
-    torch.testing.assert_close(torch.cat(parts), whole, atol=ATOL, rtol=0)
-    torch.testing.assert_close(conv2, conv1, atol=ATOL, rtol=0)
-    torch.testing.assert_close(ssm2, ssm1, atol=ATOL, rtol=0)
+    check_split_prefill_equals_one_pass(layers[1], state_shapes(config), HIDDEN, pieces, seed=2, atol=ATOL)
 
 
 @torch.no_grad()
