@@ -75,6 +75,7 @@ def test_random_operations_keep_the_invariants(layout, extra_blocks, budget, max
     w = FakeWorker(cfg)
     checker = Checker(s, w)
     n = 0
+    siblings_added = 0  # n counts arrivals; a fork family is one arrival of several requests
     arrival_rank: dict[str, int] = {}
     first_admitted: list[str] = []
     aborted = False
@@ -133,6 +134,7 @@ def test_random_operations_keep_the_invariants(layout, extra_blocks, budget, max
                     )
                 )
             n += 1
+            siblings_added += siblings
         elif o[0] == "step":
             do_step()
         elif o[0] == "abort" and s.requests:
@@ -145,7 +147,7 @@ def test_random_operations_keep_the_invariants(layout, extra_blocks, budget, max
             assert ok == (s.kv_cache_manager.block_pool.get_num_free_blocks() == cfg.num_blocks - 1)
             checker.check()
     # drain: every request must finish (no starvation, no livelock)
-    for _ in range(40 * (n + 1)):
+    for _ in range(40 * (n + siblings_added + 1)):
         if not s.has_unfinished_requests():
             break
         do_step()
