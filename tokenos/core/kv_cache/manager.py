@@ -146,22 +146,24 @@ class KVCacheManager:
         `KVCacheCoordinator.fork_hit`); the parent must not have advanced past the fork point."""
         return self.coordinator.fork_hit(parent.request_id, fork_point), fork_point
 
-    def publish_end_checkpoint(self, request: Request) -> None:
-        """A request finished or was aborted between steps: publish the exact state after its
-        computed tokens (when enabled). Every step that counted them has run by then."""
+    def free(self, request: Request) -> None:
+        """Give back a request that finished, was aborted or preempted between steps: every step
+        counted in its computed tokens has run, so (end checkpoints on) the exact state after them
+        is published first, for the next turn or its own resumption."""
         if self.fine is not None:
             self.fine.publish_end(request)
-
-    def free(self, request: Request) -> None:
-        self._horizon.pop(request.request_id, None)
-        self.coordinator.free(request.request_id)
+        self._release(request)
 
     def free_unfinished_step(self, request: Request) -> None:
         """Free a request whose scheduled step is cancelled (preempted in the same schedule):
         blocks published for that step never get written, so their hashes are dropped first."""
         if self.enable_caching:
             self.coordinator.uncache_blocks_from(request, request.num_computed_tokens)
-        self.free(request)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self._horizon.pop(request.request_id, None)
+        self.coordinator.free(request.request_id)
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return self.coordinator.get_block_ids(request_id)

@@ -56,6 +56,12 @@ _FINISH_REASON_OF = {
 }
 
 
+def _fork_point(req: Request) -> int:
+    """Where siblings fork from a parent: all of the prompt but its last token, which each sample
+    computes itself (its logits are not kept)."""
+    return req.num_prompt_tokens - 1
+
+
 class Scheduler:
     def __init__(
         self,
@@ -134,7 +140,7 @@ class Scheduler:
         parent = self.requests.get(req.fork_of)  # type: ignore[arg-type]
         if (
             parent is None
-            or parent.num_computed_tokens >= parent.num_prompt_tokens - 1
+            or parent.num_computed_tokens >= _fork_point(parent)
             or parent.cache_salt != req.cache_salt
             or parent.adapter_id != req.adapter_id
             or req.sampling_params.prompt_logprobs is not None
@@ -167,7 +173,7 @@ class Scheduler:
     def _fork_hit(self, req: Request) -> tuple[tuple, int] | None:
         """(hit blocks, F) for a released sibling whose parent is still exactly at the fork point."""
         parent, preemptions = self.fork_ready.pop(req.request_id)
-        point = parent.num_prompt_tokens - 1
+        point = _fork_point(parent)
         if (
             parent.status != _RUNNING
             or parent.num_preemptions != preemptions  # readmitted: its pages may be unwritten
@@ -189,10 +195,6 @@ class Scheduler:
                 continue
             if req.status == _RUNNING:
                 drop_running = True
-                # Aborts arrive between steps (a stop string, a client gone): the computed tokens
-                # are all written, so the end checkpoint serves the next turn all the same.
-                if self.kv_cache_manager.has_recurrent_caching and req.num_computed_tokens:
-                    self.kv_cache_manager.publish_end_checkpoint(req)
             elif req.fork_of is None or not self._unpark(req):
                 self.waiting.remove(req)
                 self.fork_ready.pop(rid, None)
@@ -240,7 +242,7 @@ class Scheduler:
         if self.alignment > 1 and num_new > 1:
             num_new = self._align(req, num_computed, num_new)
         if self.fork_waiters and req.request_id in self.fork_waiters:
-            point = req.num_prompt_tokens - 1  # stop at the fork point: siblings copy from there
+            point = _fork_point(req)  # stop there: siblings copy the state after it
             if num_computed < point < num_computed + num_new:
                 num_new = point - num_computed
         return num_new
@@ -358,7 +360,7 @@ class Scheduler:
                 num_scheduled[req.request_id] = num_new
                 new_reqs.append(req)
                 budget -= num_new
-                if self.fork_waiters and num_hit >= req.num_prompt_tokens - 1:
+                if self.fork_waiters and num_hit >= _fork_point(req):
                     self._release_forks(req, fork=False)  # the hit covers the fork point already
 
         # ---- build the output, then advance the computed counters
@@ -420,12 +422,7 @@ class Scheduler:
             copies.pop(rid, None)
             self.kv_cache_manager.free_unfinished_step(victim)
         else:
-            kv = self.kv_cache_manager
-            if kv.has_recurrent_caching and victim.num_computed_tokens:
-                # Every step it was scheduled in has run: checkpoint exactly where it stops, so it
-                # resumes there (if the pages survive) instead of at an earlier boundary.
-                kv.publish_end_checkpoint(victim)
-            kv.free(victim)
+            self.kv_cache_manager.free(victim)  # checkpoints where it stops: it may resume there
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
@@ -463,8 +460,8 @@ class Scheduler:
                 kv.cache_recurrent_blocks(req)
             if copy_sources and rid in copy_sources:
                 kv.release_copy_sources(req)
-            if fork_waiters and rid in fork_waiters and req.num_computed_tokens >= req.num_prompt_tokens - 1:
-                self._release_forks(req, fork=req.num_computed_tokens == req.num_prompt_tokens - 1)
+            if fork_waiters and rid in fork_waiters and req.num_computed_tokens >= _fork_point(req):
+                self._release_forks(req, fork=req.num_computed_tokens == _fork_point(req))
             i = index.get(rid)
             tokens = sampled[i] if i is not None else None
             finished = False
@@ -500,8 +497,6 @@ class Scheduler:
                 )
             if finished:
                 any_finished = True
-                if cache_recurrent:
-                    kv.publish_end_checkpoint(req)
                 self._free_request(req)
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
