@@ -141,18 +141,29 @@ def apply_state_copies(
     for req_id, per_group in copies.items():
         for g, (src, dst) in per_group.items():
             blocks = block_ids_of(req_id, g)
-            src_page, dst_page = blocks[src], blocks[dst]
-            if NULL_BLOCK in (src_page, dst_page):
-                raise ValueError(
-                    f"request {req_id!r} group {g}: state copy {src}->{dst} touches the null block"
-                )
-            srcs, dsts = pages.setdefault(g, ([], []))
-            srcs.append(src_page)
-            dsts.append(dst_page)
+            _add_page_copy(pages, g, blocks[src], blocks[dst], f"request {req_id!r} group {g}: state copy")
+    return _copy_pages(pages, group_layers, kv_caches)
+
+
+def _add_page_copy(
+    pages: dict[int, tuple[list[int], list[int]]], g: int, src: int, dst: int, what: str
+) -> None:
+    if NULL_BLOCK in (src, dst):
+        raise ValueError(f"{what} {src}->{dst} touches the null block")
+    srcs, dsts = pages.setdefault(g, ([], []))
+    srcs.append(src)
+    dsts.append(dst)
+
+
+def _copy_pages(
+    pages: dict[int, tuple[list[int], list[int]]], group_layers: dict[int, list[int]], kv_caches
+) -> int:
+    """Copy page ids ``srcs -> dsts`` of group g in every page-indexed tensor of its layers; returns the
+    number of pages copied per layer."""
     for g, (srcs, dsts) in pages.items():
         src_idx, dst_idx = torch.tensor(srcs), torch.tensor(dsts)
         for i in group_layers[g]:
-            for pool in kv_caches[i]:
+            for pool in _pools(kv_caches[i]):
                 # index_select materializes the sources before any destination is written.
                 pool.index_copy_(0, dst_idx, pool.index_select(0, src_idx))
     return sum(len(s) for s, _ in pages.values())
@@ -179,17 +190,8 @@ def apply_prefix_page_copies(
     for req_id, per_group in copies.items():
         for g, (src_page, dst) in per_group.items():
             dst_page = block_ids_of(req_id, g)[dst]
-            if NULL_BLOCK in (src_page, dst_page):
-                raise ValueError(f"request {req_id!r} group {g}: prefix page copy touches the null block")
-            srcs, dsts = pages.setdefault(g, ([], []))
-            srcs.append(src_page)
-            dsts.append(dst_page)
-    for g, (srcs, dsts) in pages.items():
-        src_idx, dst_idx = torch.tensor(srcs), torch.tensor(dsts)
-        for i in group_layers[g]:
-            for pool in _pools(kv_caches[i]):
-                pool.index_copy_(0, dst_idx, pool.index_select(0, src_idx))
-    return sum(len(s) for s, _ in pages.values())
+            _add_page_copy(pages, g, src_page, dst_page, f"request {req_id!r} group {g}: prefix page copy")
+    return _copy_pages(pages, group_layers, kv_caches)
 
 
 def restore_checkpoint(layer_caches: Sequence, checkpoint_page: int, running_page: int) -> None:
