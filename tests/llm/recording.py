@@ -1,24 +1,8 @@
-"""Record what the engine core's scheduler decided, step by step, for assertions on scheduling."""
+"""What the scheduler decided in a recorded run (see `tokenos.bench.recording.record_schedules`)."""
 
 from __future__ import annotations
 
-from tokenos import LLM
 from tokenos.core.outputs import SchedulerOutput
-
-
-def record_schedules(llm: LLM) -> list[SchedulerOutput]:
-    """Every SchedulerOutput of the in-process engine core from now on, in order."""
-    scheduled: list[SchedulerOutput] = []
-    scheduler = llm.engine.scheduler
-    schedule = scheduler.schedule
-
-    def recording() -> SchedulerOutput:
-        so = schedule()
-        scheduled.append(so)
-        return so
-
-    scheduler.schedule = recording
-    return scheduled
 
 
 def forked_counts(scheduled: list[SchedulerOutput]) -> list[int]:

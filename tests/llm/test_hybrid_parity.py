@@ -8,9 +8,10 @@ import random
 
 import torch
 
-from tests.llm.recording import forked_counts, record_schedules
+from tests.llm.recording import forked_counts
 from tests.models.test_hybrid_models import VOCAB
 from tokenos import LLM, SamplingParams
+from tokenos.bench.recording import record_schedules
 
 MAX_TOKENS = 8
 

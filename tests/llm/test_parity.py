@@ -9,8 +9,9 @@ from __future__ import annotations
 import pytest
 
 from tests.llm.conftest import build_tiny, hf_greedy, random_prompts
-from tests.llm.recording import forked_counts, record_schedules
+from tests.llm.recording import forked_counts
 from tokenos import LLM, SamplingParams
+from tokenos.bench.recording import record_schedules
 
 MAX_TOKENS = 10
 

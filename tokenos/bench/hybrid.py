@@ -131,22 +131,14 @@ def measure_prefix_ttft(path: str, prefix_len: int, suffix_len: int, seed: int) 
 
 def measure_fork(path: str, prompt_len: int, n: int, new_tokens: int, seed: int) -> dict:
     """One prompt, n samples: `SamplingParams(n=n)` (samples 1..n-1 fork from sample 0) against n
-    separate requests of the same prompt submitted together (no fork: for a hybrid, none can use
-    another's unwritten checkpoint, so each computes the whole prompt)."""
+    separate requests of the same prompt submitted together (no fork: a hybrid copy can only resume
+    from another's checkpoint once it is written, so most of the prompt is computed again)."""
     from tokenos import LLM, SamplingParams
+    from tokenos.bench.recording import record_schedules
 
     rng = random.Random(seed)
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=prompt_len + new_tokens + 16)
-    scheduler = llm.engine.scheduler
-    schedule = scheduler.schedule
-    computed = [0]
-
-    def counting():
-        so = schedule()
-        computed[0] += so.total_num_scheduled_tokens
-        return so
-
-    scheduler.schedule = counting
+    scheduled = record_schedules(llm)
     row: dict = {"prompt_len": prompt_len, "n": n, "new_tokens": new_tokens}
     for name in ("fork", "copies"):
         prompt = [rng.randrange(3, 4096) for _ in range(prompt_len)]  # fresh: no earlier hits
@@ -155,11 +147,11 @@ def measure_fork(path: str, prompt_len: int, n: int, new_tokens: int, seed: int)
             n=samples, temperature=1.0, seed=seed, max_tokens=new_tokens, ignore_eos=True, detokenize=False
         )
         requests = [{"prompt_token_ids": prompt}] * (n // samples)
-        computed[0] = 0
+        scheduled.clear()
         t = time.perf_counter()
         llm.generate(requests, params, use_tqdm=False)
         row[f"{name}_s"] = round(time.perf_counter() - t, 3)
-        row[f"{name}_tokens_computed"] = computed[0]
+        row[f"{name}_tokens_computed"] = sum(so.total_num_scheduled_tokens for so in scheduled)
     return row
 
 
