@@ -18,17 +18,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def tiny_hybrid(request, tmp_path_factory) -> str:
     """The tiny model of the model tests, one per kind (pure Mamba2, attention + Mamba2, gated
     DeltaNet + gated attention + MoE), with the real tokenizer's vocabulary."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from tests.models.test_hybrid_models import _hf_config
+    from tests.models.test_hybrid_models import save_tiny
     from tokenos.engine.tokenizer import load_tokenizer
 
     path = str(tmp_path_factory.mktemp(f"tiny-{request.param}"))
-    torch.manual_seed(0)
-    config = _hf_config(request.param)
-    config.vocab_size = 49152
-    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    save_tiny(request.param, path, perturb=False, vocab_size=49152)
     load_tokenizer(None).hf.save_pretrained(path)
     return path
 

@@ -64,13 +64,7 @@ def hf_greedy(model, prompt: list[int], max_tokens: int) -> tuple[list[int], lis
 @pytest.fixture(scope="module", params=["mamba2", "bamba", "qwen3_next", "granitemoehybrid", "falcon_h1"])
 def hybrid(request, tmp_path_factory):
     """(folder, transformers model) for each hybrid family: a tiny random float32 checkpoint."""
-    from transformers import AutoModelForCausalLM
+    from tests.models.test_hybrid_models import save_tiny
 
-    from tests.models.test_hybrid_models import _hf_config, _perturb
-
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(_hf_config(request.param), dtype=torch.float32).eval()
-    _perturb(ref)
     folder = str(tmp_path_factory.mktemp(request.param))
-    ref.save_pretrained(folder)
-    return folder, ref
+    return folder, save_tiny(request.param, folder)

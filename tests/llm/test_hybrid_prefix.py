@@ -99,25 +99,14 @@ def test_preemption_resumes_from_checkpoint(hybrid):
 def test_rollback_restores_checkpoint_and_readvances_accepted_tokens():
     """Speculative decoding on a Mamba2 mixer over a paged state pool: advance 6 draft tokens from a
     checkpoint, accept 2, roll back; the state and outputs equal a straight run over the accepted tokens."""
-    from transformers import Mamba2Config
     from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2Mixer
 
+    from tests.models.test_hybrid_models import _hf_config
     from tokenos.layers.mamba2 import Mamba2Mixer
     from tokenos.worker.recurrent import readvance_batch, restore_checkpoint, rollback
 
     torch.manual_seed(0)
-    config = Mamba2Config(
-        num_heads=4,
-        head_dim=8,
-        hidden_size=16,
-        expand=2,
-        state_size=8,
-        n_groups=2,
-        chunk_size=8,
-        conv_kernel=4,
-        num_hidden_layers=1,
-        vocab_size=32,
-    )
+    config = _hf_config("mamba2")  # the tiny Mamba2 of the model tests (hidden size 16)
     hf = HFMamba2Mixer(config, layer_idx=0).eval()
     with torch.no_grad():
         hf.D.copy_(torch.randn_like(hf.D))

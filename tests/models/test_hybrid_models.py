@@ -207,6 +207,22 @@ def _perturb(model: torch.nn.Module) -> None:
                 b.normal_(0, 0.5)
 
 
+def save_tiny(family: str, folder: str, perturb: bool = True, **overrides) -> torch.nn.Module:
+    """The tiny random float32 transformers model of `family` (seed 0, config `overrides` applied,
+    perturbed unless told not to), saved to `folder` as a Hugging Face checkpoint; returns it."""
+    from transformers import AutoModelForCausalLM
+
+    config = _hf_config(family)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if perturb:
+        _perturb(ref)
+    ref.save_pretrained(folder)
+    return ref
+
+
 @pytest.fixture(
     scope="module",
     params=[
@@ -222,13 +238,8 @@ def _perturb(model: torch.nn.Module) -> None:
 )
 def family(request, tmp_path_factory):
     """(family, our model, transformers model) on the same tiny random float32 checkpoint."""
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(_hf_config(request.param), dtype=torch.float32).eval()
-    _perturb(ref)
     folder = str(tmp_path_factory.mktemp(request.param))
-    ref.save_pretrained(folder)
+    ref = save_tiny(request.param, folder)
     ours = build_model(load_model_config(folder, dtype="float32", max_model_len=256))
     return request.param, ours, ref
 

@@ -15,7 +15,7 @@ import contextlib
 import pytest
 import torch
 
-from tests.models.test_hybrid_models import PoolRunner, _hf_config, _perturb, prompt
+from tests.models.test_hybrid_models import PoolRunner, prompt, save_tiny
 from tokenos.layers.short_conv import RecurrentBatch
 from tokenos.models import build_model, load_model_config
 
@@ -25,11 +25,8 @@ def models(tmp_path_factory):
     """(ours bf16, transformers bf16, transformers float32 on the bf16-rounded weights)."""
     from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(0)
-    ref = AutoModelForCausalLM.from_config(_hf_config("qwen3_next"), dtype=torch.float32).eval()
-    _perturb(ref)
     folder = str(tmp_path_factory.mktemp("qwen3_next_bf16"))
-    ref.save_pretrained(folder)
+    ref = save_tiny("qwen3_next", folder)
     ref16 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         for p in ref.parameters():
