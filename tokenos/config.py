@@ -75,9 +75,9 @@ class CacheConfig:
     # a multiple of it. Use with mamba_cache_mode "all" to checkpoint every interval of a prompt;
     # a hit between attention page boundaries copies the partial page (copy-on-write).
     mamba_checkpoint_interval: int | None = None
-    # Also checkpoint the exact state at the end of every finished request (prompt + answer), so
-    # the next turn of a chat resumes from the whole previous turn. It costs no memory: the
-    # request's last running page is published instead of freed.
+    # Also checkpoint the exact state where a request ends (finished, aborted or preempted between
+    # steps: prompt + answer so far), so the next turn of a chat resumes from the whole previous
+    # turn. It costs no memory: the request's last running page is published instead of freed.
     mamba_checkpoint_at_end: bool = True
 
     def __post_init__(self) -> None:

@@ -38,7 +38,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     mamba_cache_mode: str = (
-        "align"  # recurrent-state checkpoints: "align" (running + previous page) or "none"
+        "align"  # recurrent checkpoints: "align" (running + previous page), "all" (every interval), "none"
     )
     mamba_checkpoint_interval: int | None = None  # recurrent checkpoint interval (None: page size)
     mamba_checkpoint_at_end: bool = True  # checkpoint the exact end of every finished request
