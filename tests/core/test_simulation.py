@@ -53,8 +53,12 @@ def run_sim(
                 if chat and done and rng.random() < 0.5:
                     # A later turn: a finished request's whole conversation plus new text.
                     turn = rng.choice(done).all_token_ids + [rng.randrange(1, 50) for _ in range(3)]
-                    req = make_request(req.request_id, turn[:60], max_tokens=rng.randrange(1, 8),
-                                       arrival_time=req.arrival_time)
+                    req = make_request(
+                        req.request_id,
+                        turn[:60],
+                        max_tokens=rng.randrange(1, 8),
+                        arrival_time=req.arrival_time,
+                    )
                     made[req.request_id] = req
                 s.add_request(req)
         if abort_every and steps % abort_every == 0 and s.requests:

@@ -120,9 +120,7 @@ def make_block_hasher(hash_block_size: int, hash_fn: HashFn) -> Callable[[Reques
     return hasher
 
 
-def exact_prefix_hash(
-    hash_fn: HashFn, request: Request, length: int, hash_block_size: int
-) -> BlockHash:
+def exact_prefix_hash(hash_fn: HashFn, request: Request, length: int, hash_block_size: int) -> BlockHash:
     """Key of the prefix `all_token_ids[:length]` for any length: the hash-block hash when `length`
     is on the hash grid, else H(last grid hash, the tail tokens) (distinct from every grid hash,
     since the token count is part of the encoding). Used for end-of-request checkpoints."""

@@ -40,8 +40,19 @@ def _build(src: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        cmd = [compiler, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC",
-               str(src), "-o", str(tmp_out), "-lm"]
+        cmd = [
+            compiler,
+            "-O3",
+            "-march=native",
+            "-ffast-math",
+            "-fopenmp",
+            "-shared",
+            "-fPIC",
+            str(src),
+            "-o",
+            str(tmp_out),
+            "-lm",
+        ]
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
 
@@ -84,8 +95,19 @@ def paged_decode(
     out = torch.empty_like(q)
     fn = lib.paged_decode_bf16 if kv_cache.dtype == torch.bfloat16 else lib.paged_decode_f32
     fn(
-        q.data_ptr(), kv_cache.data_ptr(), kv_cache.stride(0), block_size,
-        block_table.data_ptr(), block_table.shape[1], seq_lens.data_ptr(), n,
-        num_heads, num_kv_heads, head_size, scale, window or 0, out.data_ptr(),
+        q.data_ptr(),
+        kv_cache.data_ptr(),
+        kv_cache.stride(0),
+        block_size,
+        block_table.data_ptr(),
+        block_table.shape[1],
+        seq_lens.data_ptr(),
+        n,
+        num_heads,
+        num_kv_heads,
+        head_size,
+        scale,
+        window or 0,
+        out.data_ptr(),
     )
     return out

@@ -295,9 +295,7 @@ def set_checkpoint_interval(
                 f"attention block size {b} (raised so a page holds a recurrent state); pick e.g. "
                 f"{math.gcd(b, interval) or b}."
             )
-    return {
-        k: replace(s, block_size=interval) if isinstance(s, MambaSpec) else s for k, s in unified.items()
-    }
+    return {k: replace(s, block_size=interval) if isinstance(s, MambaSpec) else s for k, s in unified.items()}
 
 
 def group_layers(layer_specs: dict[str, KVCacheSpec]) -> tuple[list[KVCacheGroupSpec], list[list[str]]]:
