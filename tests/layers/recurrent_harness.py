@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenos.layers.short_conv import RecurrentBatch
+from tokenos.layers.recurrent_batch import RecurrentBatch
 
 
 def run(
@@ -23,7 +23,7 @@ def run(
     qsl = torch.tensor([0] + lengths).cumsum(0)
     indices = None if state_indices is None else torch.tensor(state_indices)
     batch = RecurrentBatch(qsl, torch.tensor(has_init), indices)
-    return list(layer(torch.cat(seqs), batch, conv, state).split(lengths))
+    return list(layer.advance(torch.cat(seqs), batch, conv, state).split(lengths))
 
 
 def nan_states(shapes: tuple[tuple[int, ...], tuple[int, ...]], n: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from tokenos.layers.attention import Attention, allocate_kv_cache, build_attention_metadata
+from tokenos.layers.attention import Attention, allocate_kv_cache
+from tokenos.layers.attention_metadata import build_attention_metadata
 
 H, KVH, D = 4, 2, 8
 
@@ -43,7 +44,7 @@ def run_steps(attn, cache, block_size, steps, history, rng):
             [blocks[r] for r in reqs], computed, [step[r] for r in reqs], block_size
         )
         q, k, v = (torch.randn(meta.num_actual_tokens, n, D) for n in (H, KVH, KVH))
-        out = attn(q, k, v, cache, meta).view(-1, H, D)
+        out = attn.attend(q, k, v, cache, meta).view(-1, H, D)
         for i, r in enumerate(reqs):
             s, e = meta.query_start_loc[i].item(), meta.query_start_loc[i + 1].item()
             for name, t in (("q", q), ("k", k), ("v", v), ("out", out)):
@@ -125,8 +126,8 @@ def test_c_kernel_matches_torch_path_in_bfloat16(monkeypatch):
     q = torch.randn(len(lens), H, D).to(torch.bfloat16)
     k, v = (torch.randn(len(lens), KVH, D).to(torch.bfloat16) for _ in range(2))
     attn = Attention(H, KVH, D, D**-0.5, sliding_window=40)
-    fast = attn(q, k, v, cache.clone(), meta).float()
+    fast = attn.attend(q, k, v, cache.clone(), meta).float()
     monkeypatch.setattr(attention, "_use_c_kernel", lambda kv_cache: False)
     fresh_meta = build_attention_metadata(tables, [n - 1 for n in lens], [1] * len(lens), block_size)
-    slow = attn(q, k, v, cache.clone(), fresh_meta)
+    slow = attn.attend(q, k, v, cache.clone(), fresh_meta)
     torch.testing.assert_close(fast, slow.float(), atol=2e-2, rtol=2e-2)

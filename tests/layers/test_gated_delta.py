@@ -13,8 +13,9 @@ from transformers.cache_utils import DynamicCache
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from tests.layers.recurrent_harness import check_split_prefill_equals_one_pass, nan_states, run
+from tokenos.layers.chunked_scan import chunk_layout
 from tokenos.layers.gated_delta import GatedDeltaDims, GatedDeltaNet, chunk_gated_delta_rule, gated_delta_step
-from tokenos.layers.short_conv import RecurrentBatch
+from tokenos.layers.recurrent_batch import RecurrentBatch
 
 ATOL = 1e-4
 HIDDEN = 32
@@ -23,10 +24,19 @@ HIDDEN = 32
 @pytest.fixture(scope="module")
 def config() -> Qwen3NextConfig:
     # 2 key heads serving 4 value heads (grouped), so the head-grouped projection layout matters.
-    return Qwen3NextConfig(hidden_size=HIDDEN, linear_num_value_heads=4, linear_num_key_heads=2,
-                           linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                           num_hidden_layers=1, layer_types=["linear_attention"], num_attention_heads=2,
-                           num_key_value_heads=1, vocab_size=32)
+    return Qwen3NextConfig(
+        hidden_size=HIDDEN,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=32,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -72,13 +82,15 @@ def test_chunked_rule_equals_recurrence() -> None:
     v, g, beta = torch.randn(t, h, dv), -torch.rand(t, h), torch.rand(t, h)
     init = torch.randn(len(lengths), h, dk, dv)
     batch = RecurrentBatch(torch.tensor([0] + lengths).cumsum(0), torch.ones(3, dtype=torch.bool))
-    layout = batch.chunk_layout(8, align=False)
+    layout = chunk_layout(batch, 8, align=False)
     out, boundary = chunk_gated_delta_rule(q, k, v, g, beta, layout, init)
     start = 0
     for r, n in enumerate(lengths):
-        state = init[r:r + 1]
+        state = init[r : r + 1]
         for i in range(start, start + n):
-            o, state = gated_delta_step(state, q[i:i + 1], k[i:i + 1], v[i:i + 1], g[i:i + 1], beta[i:i + 1])
+            o, state = gated_delta_step(
+                state, q[i : i + 1], k[i : i + 1], v[i : i + 1], g[i : i + 1], beta[i : i + 1]
+            )
             torch.testing.assert_close(out[i], o[0], atol=ATOL, rtol=0)
         torch.testing.assert_close(boundary[r, layout.chunks_per_req[r]], state[0], atol=ATOL, rtol=0)
         start += n
@@ -117,8 +129,8 @@ def test_prefill_then_decode_matches_transformers(config, layers) -> None:
     conv, rec = fresh_states(config, 1)
     ours_out = [run(ours, [x[0, :prompt]], conv, rec, [False])[0]]
     for t in range(prompt, prompt + steps):
-        ours_out.append(run(ours, [x[0, t:t + 1]], conv, rec, [True])[0])
-        hf_steps.append(hf(x[:, t:t + 1], cache=cache)[0])
+        ours_out.append(run(ours, [x[0, t : t + 1]], conv, rec, [True])[0])
+        hf_steps.append(hf(x[:, t : t + 1], cache=cache)[0])
     torch.testing.assert_close(torch.cat(ours_out), full[0], atol=ATOL, rtol=0)
     torch.testing.assert_close(torch.cat(ours_out), torch.cat(hf_steps), atol=ATOL, rtol=0)
     torch.testing.assert_close(rec, cache.get_recurrent_state(0), atol=ATOL, rtol=0)
@@ -135,7 +147,7 @@ def test_mixed_batch_over_pool_equals_each_alone(config, layers) -> None:
     slots = [7, 2, 5, 0, 9, 4, 1]
     expect = []
     for i, s in enumerate(seqs):
-        conv, rec = pool_conv[slots[i]:slots[i] + 1].clone(), pool_rec[slots[i]:slots[i] + 1].clone()
+        conv, rec = pool_conv[slots[i] : slots[i] + 1].clone(), pool_rec[slots[i] : slots[i] + 1].clone()
         out = run(ours, [s], conv, rec, [has_init[i]])[0] if len(s) else s
         expect.append((out, conv[0], rec[0]))
     untouched = (pool_conv[[3, 6, 8]].clone(), pool_rec[[3, 6, 8]].clone())
@@ -158,24 +170,30 @@ def test_checkpoints_equal_split_states_and_resume(config, layers, every) -> Non
     conv, rec = conv0.clone(), rec0.clone()
     qsl = torch.tensor([0] + lengths).cumsum(0)
     batch = RecurrentBatch(qsl, torch.ones(3, dtype=torch.bool), num_computed_tokens=torch.tensor(starts))
-    out, ckpt = ours.forward_with_checkpoints(torch.cat(seqs), batch, conv, rec, every)
-    expect = [(r, p) for r in range(3)
-              for p in range(starts[r] + 1, starts[r] + lengths[r] + 1) if p % every == 0]
+    out, ckpt = ours.advance_with_checkpoints(torch.cat(seqs), batch, conv, rec, every)
+    expect = [
+        (r, p) for r in range(3) for p in range(starts[r] + 1, starts[r] + lengths[r] + 1) if p % every == 0
+    ]
     assert [(int(r), int(p)) for r, p in zip(ckpt.req_indices, ckpt.num_tokens, strict=True)] == expect
     conv2, rec2 = conv0.clone(), rec0.clone()
-    torch.testing.assert_close(out, ours(torch.cat(seqs), batch, conv2, rec2), atol=ATOL, rtol=0)
+    torch.testing.assert_close(out, ours.advance(torch.cat(seqs), batch, conv2, rec2), atol=ATOL, rtol=0)
     torch.testing.assert_close(rec, rec2, atol=ATOL, rtol=0)
     torch.testing.assert_close(conv, conv2, atol=ATOL, rtol=0)
     outs = list(out.split(lengths))
     for i, (r, pos) in enumerate(expect):
         n = pos - starts[r]
-        c, s = conv0[r:r + 1].clone(), rec0[r:r + 1].clone()
+        c, s = conv0[r : r + 1].clone(), rec0[r : r + 1].clone()
         run(ours, [seqs[r][:n]], c, s, [True])
         torch.testing.assert_close(ckpt.conv_states[i], c[0], atol=ATOL, rtol=0)
         torch.testing.assert_close(ckpt.recurrent_states[i], s[0], atol=ATOL, rtol=0)
         if n < lengths[r]:
-            rest = run(ours, [seqs[r][n:]], ckpt.conv_states[i:i + 1].clone(),
-                       ckpt.recurrent_states[i:i + 1].clone(), [True])[0]
+            rest = run(
+                ours,
+                [seqs[r][n:]],
+                ckpt.conv_states[i : i + 1].clone(),
+                ckpt.recurrent_states[i : i + 1].clone(),
+                [True],
+            )[0]
             torch.testing.assert_close(rest, outs[r][n:], atol=ATOL, rtol=0)
 
 
@@ -184,7 +202,7 @@ def test_checkpoints_need_positions(layers) -> None:
     batch = RecurrentBatch(torch.tensor([0, 3]), torch.tensor([False]))
     conv, rec = torch.zeros(1, 3, 64), torch.zeros(1, 4, 8, 8)
     with pytest.raises(ValueError, match="num_computed_tokens"):
-        ours.forward_with_checkpoints(torch.randn(3, HIDDEN), batch, conv, rec, 8)
+        ours.advance_with_checkpoints(torch.randn(3, HIDDEN), batch, conv, rec, 8)
 
 
 @torch.no_grad()

@@ -120,7 +120,7 @@ def test_rollback_restores_checkpoint_and_readvances_accepted_tokens():
     accepted, drafts = x[11:13], torch.randn(6, 16)
 
     def advance(inputs, batch):
-        return mixer(inputs, batch, *pools)
+        return mixer.advance(inputs, batch, *pools)
 
     with torch.no_grad():
         straight = advance(x[:13], readvance_batch(0, 13, 1))  # page 1: the reference

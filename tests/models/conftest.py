@@ -13,7 +13,9 @@ import random
 import pytest
 import torch
 
-from tokenos.layers.attention import allocate_kv_cache, build_attention_metadata
+from tokenos.layers.attention import allocate_kv_cache
+from tokenos.layers.attention_metadata import build_attention_metadata
+from tokenos.layers.metadata import ForwardBatch
 from tokenos.models import build_model, load_model_config
 
 TINY = dict(
@@ -115,7 +117,10 @@ class PagedRunner:
             [len(t) for _, t in work],
             self.block_size,
         )
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), meta, self.kv_caches)
+        batch = ForwardBatch(
+            torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, [meta] * len(self.kv_caches)
+        )
+        hidden = self.model(batch)
         logits = self.model.compute_logits(hidden)
         offset = 0
         for req, tokens in work:

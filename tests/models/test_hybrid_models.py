@@ -19,10 +19,11 @@ import numpy as np
 import pytest
 import torch
 
+from tokenos.config import CacheConfig
 from tokenos.core.kv_cache.spec import FullAttentionSpec, MambaSpec, get_kv_cache_config
-from tokenos.layers.attention import build_attention_metadata
+from tokenos.layers.attention_metadata import build_attention_metadata
+from tokenos.layers.metadata import ForwardBatch
 from tokenos.models import build_model, load_model_config
-from tokenos.models.hybrid import HybridMetadata
 from tokenos.worker.kv_cache import allocate_kv_caches
 from tokenos.worker.recurrent import (
     apply_state_copies,
@@ -263,13 +264,15 @@ class PoolRunner:
         self, model, block_size: int = 16, num_blocks: int = 48, mode: str = "align", seed: int = 0
     ) -> None:
         self.model = model
-        specs = model.get_kv_cache_spec(block_size, mode)
+        specs = model.get_kv_cache_spec(CacheConfig(block_size=block_size, mamba_cache_mode=mode))
         self.config = get_kv_cache_config(
             specs, available_memory_bytes=None, num_blocks=num_blocks, max_model_len=256
         )
         self.layer_order = list(specs)
         self.kv_caches = allocate_kv_caches(self.config, self.layer_order)
         self.groups = self.config.kv_cache_groups
+        group_of = {name: g for g, grp in enumerate(self.groups) for name in grp.layer_names}
+        self.entry_groups = [group_of[name] for name in self.layer_order]
         self.group_layers = group_layer_indices(self.config, self.layer_order)
         self.free = list(range(1, num_blocks))  # block 0 is the null block
         random.Random(seed).shuffle(self.free)
@@ -358,10 +361,10 @@ class PoolRunner:
                 metas.append(build_recurrent_batch(qsl, n, k, running, pages, spec.block_size))
             else:
                 metas.append(build_attention_metadata(lists, n.tolist(), k.tolist(), spec.block_size))
-        meta = HybridMetadata.from_groups([grp.layer_names for grp in self.groups], metas)
         ids = torch.tensor([t for _, toks in work for t in toks])
         pos = torch.cat([torch.arange(a, a + b) for a, b in zip(n.tolist(), k.tolist(), strict=True)])
-        logits = self.model.compute_logits(self.model(ids, pos, meta, self.kv_caches))
+        batch = ForwardBatch.for_groups(ids, pos, self.kv_caches, metas, self.entry_groups)
+        logits = self.model.compute_logits(self.model(batch))
         for (r, toks), a, b in zip(work, qsl[:-1], qsl[1:], strict=True):
             self.logits.setdefault(r, []).append(logits[a:b])
             self.tokens.setdefault(r, []).extend(toks)
@@ -426,8 +429,8 @@ def check_request(runner: PoolRunner, ref, req: str, first: int = 0) -> None:
 
 def test_kv_cache_spec_and_unified_block_size(family):
     name, model, _ = family
-    specs = model.get_kv_cache_spec(16)
-    assert list(specs) == model.layer_names()
+    specs = model.get_kv_cache_spec(CacheConfig(block_size=16))
+    assert list(specs) == [name for name, _ in model.cache_layers()]
     kinds = {type(s) for s in specs.values()}
     assert MambaSpec in kinds and (FullAttentionSpec in kinds) == (name != "mamba2")
     config = get_kv_cache_config(specs, available_memory_bytes=None, num_blocks=32, max_model_len=256)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenos.config import CacheConfig
+
 CASES = {
     "llama_gqa_untied": ("llama", {}),
     "llama_tied_mha": ("llama", {"tie_word_embeddings": True, "num_key_value_heads": 4}),
@@ -80,7 +82,7 @@ def test_mixed_batch_matches(case, parity):
 def test_kv_cache_spec_names_and_windows(case):
     model, config, _ = case
     spec_module = pytest.importorskip("tokenos.core.kv_cache.spec")
-    specs = model.get_kv_cache_spec(16)
+    specs = model.get_kv_cache_spec(CacheConfig(block_size=16))
     assert list(specs) == [f"model.layers.{i}.self_attn.attn" for i in range(config.num_hidden_layers)]
     for spec, window in zip(specs.values(), config.layer_sliding_windows, strict=True):
         assert spec.block_size == 16 and spec.head_size == config.head_dim and spec.dtype == "float32"

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.models.test_hybrid_models import PoolRunner, prompt, save_tiny
-from tokenos.layers.short_conv import RecurrentBatch
+from tokenos.layers.recurrent_batch import RecurrentBatch
 from tokenos.models import build_model, load_model_config
 
 
@@ -71,7 +71,7 @@ def test_gated_delta_rounds_where_transformers_does(models):
         got, want = [], []
         for a, b in ((0, 40), (40, 41), (41, 42), (42, 43), (43, 44)):
             batch = RecurrentBatch(torch.tensor([0, b - a]), torch.tensor([a > 0]))
-            got.append(mine(x[a:b], batch, conv, state))
+            got.append(mine.advance(x[a:b], batch, conv, state))
             want.append(theirs(x[None, a:b], cache=cache)[0])
         assert torch.equal(torch.cat(got), torch.cat(want)), f"layer {i}"
 

@@ -95,6 +95,8 @@ class NewRequestData:
     num_computed_tokens: int  # tokens already in the cache (prefix hit or resumed checkpoint)
     # Tokens already generated before a preemption; the worker appends them after the prompt.
     output_token_ids: list[int] = field(default_factory=list)
+    # The tokenizer's EOS (None: none, or ignore_eos); the sampler bans it below min_tokens.
+    eos_token_id: int | None = None
 
 
 @dataclass

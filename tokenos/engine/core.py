@@ -31,11 +31,10 @@ class EngineCore:
         self.model_config = model_config
         self.model_runner = ModelRunner(
             model_config,
-            block_size=args.block_size,
+            cache_config,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed,
-            mamba_cache_mode=args.mamba_cache_mode,
         )
         layer_specs = self.model_runner.get_kv_cache_spec()
         self.kv_cache_config = get_kv_cache_config(

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenos.layers.linear import native_bf16_matmul
+from tokenos.platform import native_bf16_supported
 
 
 class VocabEmbedding(nn.Module):
@@ -29,6 +29,6 @@ class LMHead(nn.Module):
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.dtype == torch.bfloat16 and not native_bf16_matmul():
+        if hidden.dtype == torch.bfloat16 and not native_bf16_supported():
             return F.linear(hidden.float(), self.weight.float())  # see linear._upcast_linear
         return F.linear(hidden, self.weight).float()

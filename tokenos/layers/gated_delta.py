@@ -22,18 +22,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenos.layers.short_conv import (
-    ChunkLayout,
-    RecurrentBatch,
-    RecurrentLayer,
-    StateCheckpoints,
-    WeightHolder,
-    advance_states,
-    causal_conv1d_varlen,
-    first_attr,
-    make_checkpoints,
-    make_param,
-)
+from tokenos.layers.causal_conv import causal_conv1d_varlen
+from tokenos.layers.chunked_scan import ChunkLayout, advance_states, make_checkpoints
+from tokenos.layers.recurrent import RecurrentLayer, first_attr
+from tokenos.layers.recurrent_batch import RecurrentBatch, StateCheckpoints
+from tokenos.layers.weights import WeightHolder, make_param
 
 
 @dataclass(frozen=True)

@@ -7,24 +7,12 @@ checkpoint matrices (q/k/v, gate/up) into one matmul; their ``weight_loader`` ta
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-def _param(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
-def _copy_rows(param: nn.Parameter, loaded: torch.Tensor, offset: int, size: int) -> None:
-    target = param.data.narrow(0, offset, size)
-    if target.shape != loaded.shape:
-        raise ValueError(
-            f"Checkpoint shard of shape {tuple(loaded.shape)} for rows of shape {tuple(target.shape)}"
-        )
-    target.copy_(loaded)
+from tokenos.layers.weights import copy_rows, make_param
+from tokenos.platform import native_bf16_supported
 
 
 class Linear(nn.Module):
@@ -32,20 +20,13 @@ class Linear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
-        self.weight = _param(output_size, input_size)
-        self.bias = _param(output_size) if bias else None
+        self.weight = make_param(output_size, input_size)
+        self.bias = make_param(output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.bfloat16 and not native_bf16_matmul():
+        if x.dtype == torch.bfloat16 and not native_bf16_supported():
             return _upcast_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-
-@functools.cache
-def native_bf16_matmul() -> bool:
-    from tokenos.models.config import native_bf16_supported
-
-    return native_bf16_supported()
 
 
 def _upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -75,7 +56,7 @@ class MergedLinear(Linear):
         return sum(self.output_sizes[:index]), self.output_sizes[index]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str) -> None:
-        _copy_rows(param, loaded, *self.shard_offset(shard_id))
+        copy_rows(param, loaded, *self.shard_offset(shard_id))
 
 
 class QKVLinear(MergedLinear):

@@ -27,18 +27,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenos.layers.short_conv import (
-    ChunkLayout,
-    RecurrentBatch,
-    RecurrentLayer,
-    StateCheckpoints,
-    WeightHolder,
-    advance_states,
-    causal_conv1d_varlen,
-    first_attr,
-    make_checkpoints,
-    make_param,
-)
+from tokenos.layers.causal_conv import causal_conv1d_varlen
+from tokenos.layers.chunked_scan import ChunkLayout, advance_states, make_checkpoints
+from tokenos.layers.recurrent import RecurrentLayer, first_attr
+from tokenos.layers.recurrent_batch import RecurrentBatch, StateCheckpoints
+from tokenos.layers.weights import WeightHolder, make_param
 
 # The chunk length is a free parameter of the SSD scan (any value gives the same result up to rounding).
 # Checkpoint configs use 128-256, tuned for GPU kernels; in torch on CPU the per-head quadratic part
@@ -138,7 +131,8 @@ def ssd_chunk_scan(
     # Within a chunk: y_l = sum_{s<=l} (C_l . B_s) exp(a_cum_l - a_cum_s) dt_s x_s. C . B is per group,
     # so it is computed once per group, not per head.
     scores = torch.einsum("nlgd,nsgd->ngls", Cc, Bc)[:, :, None] * torch.exp(segment_sum(a)).view(
-        *per_group, c, c)
+        *per_group, c, c
+    )
     y = torch.einsum("ngjls,nsgjp->nlgjp", scores, x_dt)
     # Each chunk's own contribution to the state at its end, and its total decay.
     decay_to_end = torch.exp(a_cum[..., -1:] - a_cum).view(*per_group, c).permute(0, 3, 1, 2)
@@ -189,15 +183,18 @@ class Mamba2Mixer(RecurrentLayer):
         self.dims = d
         proj_size = 2 * d.intermediate_size + 2 * d.n_groups * d.state_size + d.num_heads
         self.in_proj = WeightHolder(
-            (proj_size, d.hidden_size), proj_size if d.use_bias else None, params_dtype)
-        self.conv1d = WeightHolder((d.conv_dim, 1, d.conv_kernel), d.conv_dim if d.use_conv_bias else None,
-                                   params_dtype)
+            (proj_size, d.hidden_size), proj_size if d.use_bias else None, params_dtype
+        )
+        self.conv1d = WeightHolder(
+            (d.conv_dim, 1, d.conv_kernel), d.conv_dim if d.use_conv_bias else None, params_dtype
+        )
         self.dt_bias = make_param(d.num_heads, dtype=params_dtype)
         self.A_log = make_param(d.num_heads, dtype=params_dtype)
         self.D = make_param(d.num_heads, dtype=params_dtype)
         self.norm = WeightHolder((d.intermediate_size,), None, params_dtype)
         self.out_proj = WeightHolder(
-            (d.hidden_size, d.intermediate_size), d.hidden_size if d.use_bias else None, params_dtype)
+            (d.hidden_size, d.intermediate_size), d.hidden_size if d.use_bias else None, params_dtype
+        )
 
     @staticmethod
     def _state_shapes(d: Mamba2Dims) -> tuple[tuple[int, ...], ...]:
@@ -220,7 +217,8 @@ class Mamba2Mixer(RecurrentLayer):
         gate, xbc, dt = proj.split([d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
         positions = None if checkpoint_every is None else batch.checkpoint_positions(checkpoint_every)
         xbc, conv_snaps = causal_conv1d_varlen(
-            xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, batch, positions)
+            xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, batch, positions
+        )
         group_dim = d.n_groups * d.state_size
         x, B, C = xbc.split([d.intermediate_size, group_dim, group_dim], dim=-1)
         x = x.reshape(num_tokens, d.num_heads, d.head_dim)

@@ -1,7 +1,10 @@
 """Rotary position embedding (HF rotate-half layout) with default, linear and llama3 scaling.
 
 cos/sin for every position up to max_position are computed once in float32 (the same
-products transformers computes per step), then gathered by ``positions`` each forward.
+products transformers computes per step), then gathered by ``positions`` once per step (``cos_sin``)
+and shared by every attention layer (``Rope``). ``rotary_dim < head_dim`` rotates only the first
+``rotary_dim`` dims of each head (partial rotary: Bamba, Qwen3-Next, Falcon-H1); ``NoRotary`` is the
+identity for attention without positions (NemotronH, Granite "nope").
 """
 
 from __future__ import annotations
@@ -43,31 +46,49 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return inv_freq
 
 
+# This step's (cos, sin) [T, 1, rotary_dim / 2], gathered once and shared by every layer.
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
 class RotaryEmbedding(nn.Module):
     """RoPE for q [T, H, D] and k [T, KVH, D]; ``cos_sin(positions)`` once per step, then
-    ``forward(cos_sin, q, k)`` in every layer."""
+    ``forward(cos_sin, q, k)`` in every layer. Only the first ``rotary_dim`` dims (default: all) turn."""
 
     def __init__(
-        self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any] | None
+        self,
+        head_dim: int,
+        max_position: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
         freqs = torch.outer(
-            torch.arange(max_position, dtype=torch.float32), rope_inv_freq(head_dim, theta, scaling)
+            torch.arange(max_position, dtype=torch.float32), rope_inv_freq(self.rotary_dim, theta, scaling)
         )
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin [T, 1, D / 2] at ``positions`` [T], in ``dtype``."""
-        return self.cos_cache[positions].unsqueeze(1).to(dtype), self.sin_cache[positions].unsqueeze(1).to(
-            dtype
-        )
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
+        """cos and sin [T, 1, rotary_dim / 2] at ``positions`` [T], in ``dtype``."""
+        cos = self.cos_cache[positions].unsqueeze(1).to(dtype)
+        return cos, self.sin_cache[positions].unsqueeze(1).to(dtype)
 
-    def forward(
-        self, cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = cos_sin
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope
+        d = self.rotary_dim
+        if d == q.shape[-1]:
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q_rot, k_rot = _rotate(q[..., :d], cos, sin), _rotate(k[..., :d], cos, sin)
+        return torch.cat((q_rot, q[..., d:]), -1), torch.cat((k_rot, k[..., d:]), -1)
+
+
+class NoRotary(nn.Module):
+    """Attention without rotary: q and k pass through (the step's rope is None)."""
+
+    def forward(self, rope: None, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

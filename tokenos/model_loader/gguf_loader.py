@@ -34,6 +34,8 @@ _LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# GGUF general.architecture -> the Hugging Face architecture name our registry knows it by.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -50,8 +52,6 @@ def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
 
 def read_gguf_config(path: str) -> dict[str, Any]:
     """ModelConfig fields (without dtype/max_model_len resolution) from a GGUF's metadata."""
-    from tokenos.models.config import GGUF_ARCHITECTURES
-
     reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:

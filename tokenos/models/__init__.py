@@ -1,6 +1,6 @@
-"""Model definitions: ModelConfig resolution, the Llama family, and the architecture registry."""
+"""Model definitions: ModelConfig resolution, the model families, and the architecture registry."""
 
 from tokenos.models.config import ModelConfig, default_model_path, load_model_config
-from tokenos.models.registry import MODEL_REGISTRY, build_model
+from tokenos.models.registry import ARCHITECTURES, build_model
 
-__all__ = ["MODEL_REGISTRY", "ModelConfig", "build_model", "default_model_path", "load_model_config"]
+__all__ = ["ARCHITECTURES", "ModelConfig", "build_model", "default_model_path", "load_model_config"]

@@ -2,8 +2,8 @@
 
 Layer ``i`` is attention if ``i`` is in ``attn_layer_indices``, else a Mamba2 mixer; both sit in the same
 pre-norm residual block (``input_layernorm -> mixer -> + -> pre_ff_layernorm -> MLP -> +``). Attention
-layers own a page tensor, Mamba layers a ``[conv_pool, ssm_pool]`` pair; the worker maps both through
-``HybridMetadata`` (see ``tokenos.models.hybrid``). Parameter names equal transformers', with q/k/v and
+layers own a page tensor, Mamba layers a ``[conv_pool, ssm_pool]`` pair; each finds its own in the step's
+``ForwardBatch`` (see ``tokenos.layers.metadata``). Parameter names equal transformers', with q/k/v and
 gate/up fused through ``packed_modules_mapping``.
 """
 
@@ -13,14 +13,16 @@ import torch
 from torch import nn
 
 from tokenos.layers.activation import SiluAndMul
-from tokenos.layers.attention import Attention, AttentionMetadata
+from tokenos.layers.attention import Attention
 from tokenos.layers.embedding import VocabEmbedding
 from tokenos.layers.layernorm import RMSNorm
 from tokenos.layers.linear import Linear, MergedLinear, QKVLinear
 from tokenos.layers.mamba2 import Mamba2Dims, Mamba2Mixer
-from tokenos.models.base import FUSED_QKV_GATE_UP, DecoderStack
+from tokenos.layers.metadata import ForwardBatch
+from tokenos.layers.rotary import Rope, RotaryEmbedding
+from tokenos.models.base import FUSED_QKV_GATE_UP, CausalLM, DecoderStack
 from tokenos.models.config import ModelConfig
-from tokenos.models.hybrid import HybridCausalLM, HybridDecoderLayer, PartialRotary, Rope, hf_attrs
+from tokenos.models.hybrid import HybridDecoderLayer, hf_attrs, partial_rotary
 
 
 def layer_types(config: ModelConfig) -> list[str]:
@@ -36,7 +38,7 @@ def layer_types(config: ModelConfig) -> list[str]:
 
 
 class BambaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: PartialRotary) -> None:
+    def __init__(self, config: ModelConfig, rotary: nn.Module) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -46,16 +48,14 @@ class BambaAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(
-        self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(
             [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1
         )
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(rope, q, k)
-        return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), kv_cache, meta))
+        return self.o_proj(self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), batch))
 
 
 class BambaMLP(nn.Module):
@@ -74,7 +74,7 @@ class BambaMLP(nn.Module):
 class BambaDecoderLayer(HybridDecoderLayer):
     recurrent_name, post_norm_name, mlp_name = "mamba", "pre_ff_layernorm", "feed_forward"
 
-    def __init__(self, config: ModelConfig, kind: str, rotary: PartialRotary, dims: Mamba2Dims) -> None:
+    def __init__(self, config: ModelConfig, kind: str, rotary: RotaryEmbedding, dims: Mamba2Dims) -> None:
         super().__init__(kind)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if kind == "full_attention":
@@ -89,7 +89,7 @@ class BambaModel(DecoderStack):
     def __init__(self, config: ModelConfig) -> None:
         dims = Mamba2Dims.from_config(hf_attrs(config))
         embed = VocabEmbedding(config.vocab_size, config.hidden_size)
-        rotary = PartialRotary(config)
+        rotary = partial_rotary(config)
         super().__init__(
             ("embed_tokens", embed),
             [BambaDecoderLayer(config, kind, rotary, dims) for kind in layer_types(config)],
@@ -98,7 +98,7 @@ class BambaModel(DecoderStack):
         )
 
 
-class BambaForCausalLM(HybridCausalLM):
+class BambaForCausalLM(CausalLM):
     """IBM Bamba: Mamba2 + full attention hybrid."""
 
     packed_modules_mapping = FUSED_QKV_GATE_UP

@@ -1,24 +1,31 @@
-"""What every causal LM here shares: a decoder stack, an LM head, and the calls the worker makes.
+"""What every causal LM here shares: a decoder stack, an LM head, and the three calls the worker makes.
 
 Idea: a model is ``embeddings -> layers -> final norm`` (a ``DecoderStack``) plus an ``LMHead``, wrapped
-in a ``CausalLM`` that the worker drives through ``forward(input_ids, positions, attn_metadata,
-kv_caches)`` and ``compute_logits(hidden)``. Every layer takes ``(rope, x, residual, cache, meta)`` and
-returns ``(x, residual)``: a pre-norm residual stream, with this step's rotary (cos, sin) gathered once for
-all layers (None in a model without rotary). Modules are registered under the checkpoint's names
-(``model`` / ``backbone``, ``embed_tokens`` / ``embeddings``, ``norm`` / ``final_layernorm`` / ``norm_f``),
-so weights load by name. A subclass only says how ``attn_metadata`` maps to one metadata per layer.
+in a ``CausalLM`` that the worker drives through ``get_kv_cache_spec(cache_config)``,
+``forward(batch: ForwardBatch)`` and ``compute_logits(hidden)``. Every layer takes ``(rope, x, residual,
+batch)`` and returns ``(x, residual)``: a pre-norm residual stream, with this step's rotary (cos, sin)
+gathered once for all layers (None in a model without rotary). The cache layers inside (attention,
+recurrent mixers) are numbered when the model is built and each finds its own cache and metadata in the
+batch (the contract is `tokenos.layers.metadata`), so no model maps metadata to layers by hand. Modules
+are registered under the checkpoint's names (``model`` / ``backbone``, ``embed_tokens`` / ``embeddings``,
+``norm`` / ``final_layernorm`` / ``norm_f``), so weights load by name.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from tokenos.layers.embedding import LMHead
 from tokenos.layers.layernorm import RMSNorm
+from tokenos.layers.metadata import CacheLayer, ForwardBatch, bind_cache_layers
 from tokenos.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from tokenos.config import CacheConfig
+    from tokenos.core.kv_cache.spec import KVCacheSpec
 
 # Checkpoint q/k/v and gate/up projections -> our fused qkv_proj / gate_up_proj (and their shard ids).
 FUSED_QKV_GATE_UP: dict[str, tuple[str, str | int]] = {
@@ -61,21 +68,18 @@ class DecoderStack(nn.Module):
     def embed(self) -> nn.Module:
         return getattr(self, self._embed_name)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, metas: list[Any], kv_caches: list
-    ) -> torch.Tensor:
-        """Layer ``i`` reads ``kv_caches[i]`` with ``metas[i]``."""
-        x, residual = self.embed(input_ids), None
-        rope = self.rotary.cos_sin(positions, x.dtype) if hasattr(self, "rotary") else None
-        for layer, cache, meta in zip(self.layers, kv_caches, metas, strict=True):
-            x, residual = layer(rope, x, residual, cache, meta)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        x, residual = self.embed(batch.input_ids), None
+        rope = self.rotary.cos_sin(batch.positions, x.dtype) if hasattr(self, "rotary") else None
+        for layer in self.layers:
+            x, residual = layer(rope, x, residual, batch)
         x, _ = getattr(self, self._norm_name)(x, residual)
         return x
 
 
 class CausalLM(nn.Module):
     """A ``DecoderStack`` (registered as ``stack_name``) and an LM head, tied to its embeddings if the
-    config says so. Subclasses implement ``layer_metadata`` and ``get_kv_cache_spec``."""
+    config says so. Its cache layers are bound (numbered) here, once the stack is built."""
 
     def __init__(self, config: ModelConfig, stack_name: str, stack: DecoderStack) -> None:
         super().__init__()
@@ -84,22 +88,25 @@ class CausalLM(nn.Module):
         self.add_module(stack_name, stack)
         tied = stack.embed if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+        self._cache_layers = bind_cache_layers(self)
 
     @property
     def stack(self) -> DecoderStack:
         return getattr(self, self._stack_name)
 
-    def layer_metadata(self, attn_metadata: Any, kv_caches: list) -> list[Any]:
-        """One metadata per layer (in ``kv_caches`` order) from what the worker passed."""
-        raise NotImplementedError
+    def cache_layers(self) -> list[tuple[str, CacheLayer]]:
+        """(module path, layer) of every cache layer, in pool-entry order (``kv_caches`` order)."""
+        return list(self._cache_layers)
+
+    def get_kv_cache_spec(self, cache_config: CacheConfig) -> dict[str, KVCacheSpec]:
+        """What state each cache layer needs, by module path, in pool-entry order."""
+        dtype = self.config.dtype_name
+        return {name: layer.get_kv_cache_spec(cache_config, dtype) for name, layer in self._cache_layers}
 
     @torch.inference_mode()
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any, kv_caches: list
-    ) -> torch.Tensor:
-        """Hidden states ``[num_tokens, hidden]`` for a step; layer i reads ``kv_caches[i]``."""
-        metas = self.layer_metadata(attn_metadata, kv_caches)
-        return self.stack(input_ids, positions, metas, kv_caches)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """Hidden states ``[num_tokens, hidden]`` for one step."""
+        return self.stack(batch)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -16,33 +16,11 @@ from typing import Any
 
 import torch
 
+from tokenos.model_loader.gguf_loader import read_gguf_config
+from tokenos.models.registry import get_architecture
+from tokenos.platform import dtype_name, native_bf16_supported, torch_dtype
+
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-# HF architecture name -> the knobs that distinguish it from plain Llama.
-SUPPORTED_ARCHITECTURES: dict[str, dict[str, bool]] = {
-    "LlamaForCausalLM": {},
-    "MistralForCausalLM": {},
-    "Qwen2ForCausalLM": {"attention_bias": True},
-    "Qwen3ForCausalLM": {"qk_norm": True},
-    # Hybrid / recurrent families: their layer layout is read from hf_config by the model itself.
-    "Mamba2ForCausalLM": {},
-    "BambaForCausalLM": {},
-    "Qwen3NextForCausalLM": {},
-    "GraniteMoeHybridForCausalLM": {},
-    "FalconH1ForCausalLM": {},
-    "NemotronHForCausalLM": {},
-}
-
-# GGUF general.architecture -> HF architecture name.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
 
 
 @dataclass
@@ -93,7 +71,7 @@ class ModelConfig:
     @property
     def dtype_name(self) -> str:
         """The dtype as a plain string ("float32", "bfloat16"), as KV cache specs want it."""
-        return str(self.dtype).removeprefix("torch.")
+        return dtype_name(self.dtype)
 
 
 def default_model_path() -> str:
@@ -110,22 +88,12 @@ def default_model_path() -> str:
     return path
 
 
-def native_bf16_supported() -> bool:
-    """Whether this CPU runs bfloat16 matmuls natively (AVX512-BF16 / AMX); otherwise bf16 is slow."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):
-        return False
-
-
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> torch.dtype:
     """``"auto"``: bfloat16 for a 16-bit checkpoint on a CPU with native bf16, else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
-        if dtype not in _DTYPES:
-            raise ValueError(f"Unknown dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
-        return _DTYPES[dtype]
+        return torch_dtype(dtype)
     if checkpoint_dtype in ("bfloat16", "float16") and native_bf16_supported():
         return torch.bfloat16
     return torch.float32
@@ -139,8 +107,6 @@ def load_model_config(
     if os.path.isdir(path):
         fields = _fields_from_hf(path)
     elif path.endswith(".gguf") and os.path.isfile(path):
-        from tokenos.model_loader.gguf_loader import read_gguf_config
-
         fields = read_gguf_config(path)
     else:
         raise FileNotFoundError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
@@ -158,14 +124,6 @@ def _resolve_max_model_len(derived: int, requested: int | None) -> int:
     return requested
 
 
-def _check_architecture(architecture: str) -> dict[str, bool]:
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"Unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return SUPPORTED_ARCHITECTURES[architecture]
-
-
 def _fields_from_hf(folder: str) -> dict[str, Any]:
     config_file = os.path.join(folder, "config.json")
     if not os.path.isfile(config_file):
@@ -176,7 +134,7 @@ def _fields_from_hf(folder: str) -> dict[str, Any]:
         cfg["num_hidden_layers"] = len(cfg["layers_block_type"])  # NemotronH as transformers 5 saves it
     architectures = cfg.get("architectures") or []
     architecture = architectures[0] if architectures else "<missing architectures>"
-    flags = _check_architecture(architecture)
+    flags = get_architecture(architecture).defaults
     # Pure Mamba2 configs have no attention heads or MLP: fall back to the mixer's heads and expand.
     num_heads = cfg.get("num_attention_heads") or cfg["num_heads"]
     theta, scaling = _rope_from_hf(cfg)

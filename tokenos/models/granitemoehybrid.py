@@ -22,11 +22,12 @@ from tokenos.layers.embedding import VocabEmbedding
 from tokenos.layers.layernorm import RMSNorm
 from tokenos.layers.linear import Linear
 from tokenos.layers.mamba2 import Mamba2Dims, Mamba2Mixer
-from tokenos.layers.short_conv import WeightHolder
+from tokenos.layers.rotary import NoRotary, RotaryEmbedding
+from tokenos.layers.weights import WeightHolder
 from tokenos.models.bamba import BambaAttention, layer_types
-from tokenos.models.base import FUSED_QKV_GATE_UP, DecoderStack
+from tokenos.models.base import FUSED_QKV_GATE_UP, CausalLM, DecoderStack
 from tokenos.models.config import ModelConfig
-from tokenos.models.hybrid import HybridCausalLM, HybridDecoderLayer, PartialRotary, hf_attrs
+from tokenos.models.hybrid import HybridDecoderLayer, hf_attrs, partial_rotary
 
 
 class ScaledEmbedding(VocabEmbedding):
@@ -40,13 +41,6 @@ class ScaledEmbedding(VocabEmbedding):
         return super().forward(input_ids) * self.multiplier
 
 
-class NoRotary(nn.Module):
-    """Stands in for the rotary of attention without position embeddings (the Mamba layers carry order)."""
-
-    def forward(self, rope: None, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return q, k
-
-
 def uses_rope(config: ModelConfig) -> bool:
     """Rotary only for "rope"; Granite 4.0-H checkpoints say "nope" (transformers: anything but "rope")."""
     kind = config.hf_config.get("position_embedding_type")
@@ -56,7 +50,7 @@ def uses_rope(config: ModelConfig) -> bool:
 
 
 class GraniteMoeHybridAttention(BambaAttention):
-    def __init__(self, config: ModelConfig, rotary: PartialRotary | None) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding | None) -> None:
         super().__init__(config, rotary if rotary is not None else NoRotary())
         scale = float(config.hf_config.get("attention_multiplier", self.head_dim**-0.5))
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale)
@@ -112,7 +106,7 @@ class GraniteMoeHybridDecoderLayer(HybridDecoderLayer):
     recurrent_name, post_norm_name, mlp_name = "mamba", "scaled_post_norm", "feed_forward"
 
     def __init__(
-        self, config: ModelConfig, kind: str, rotary: PartialRotary | None, dims: Mamba2Dims
+        self, config: ModelConfig, kind: str, rotary: RotaryEmbedding | None, dims: Mamba2Dims
     ) -> None:
         super().__init__(kind)
         cfg = config.hf_config
@@ -155,7 +149,7 @@ class GraniteMoeHybridModel(DecoderStack):
         dims = mamba_dims(config)
         multiplier = float(cfg.get("embedding_multiplier", 1.0))
         embed = ScaledEmbedding(config.vocab_size, config.hidden_size, multiplier)
-        rotary = PartialRotary(config) if uses_rope(config) else None
+        rotary = partial_rotary(config) if uses_rope(config) else None
         super().__init__(
             ("embed_tokens", embed),
             [GraniteMoeHybridDecoderLayer(config, kind, rotary, dims) for kind in layer_types(config)],
@@ -164,7 +158,7 @@ class GraniteMoeHybridModel(DecoderStack):
         )
 
 
-class GraniteMoeHybridForCausalLM(HybridCausalLM):
+class GraniteMoeHybridForCausalLM(CausalLM):
     """IBM Granite 4.0-H (and its dense variant, ``num_local_experts=0``): Mamba2 + attention hybrid."""
 
     packed_modules_mapping = FUSED_QKV_GATE_UP

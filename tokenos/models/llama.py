@@ -12,15 +12,14 @@ import torch
 from torch import nn
 
 from tokenos.layers.activation import SiluAndMul
-from tokenos.layers.attention import Attention, AttentionMetadata
+from tokenos.layers.attention import Attention
 from tokenos.layers.embedding import VocabEmbedding
 from tokenos.layers.layernorm import RMSNorm
 from tokenos.layers.linear import Linear, MergedLinear, QKVLinear
-from tokenos.layers.rotary import RotaryEmbedding
+from tokenos.layers.metadata import ForwardBatch
+from tokenos.layers.rotary import Rope, RotaryEmbedding
 from tokenos.models.base import FUSED_QKV_GATE_UP, CausalLM, DecoderStack, pre_norm
 from tokenos.models.config import ModelConfig
-
-Rope = tuple[torch.Tensor, torch.Tensor]  # this step's (cos, sin), shared by all layers
 
 
 class DecoderAttention(nn.Module):
@@ -40,9 +39,7 @@ class DecoderAttention(nn.Module):
             self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, sliding_window
         )
 
-    def forward(
-        self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -52,7 +49,7 @@ class DecoderAttention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(rope, q, k)
-        return self.o_proj(self.attn(q, k, v, kv_cache, meta))
+        return self.o_proj(self.attn(q, k, v, batch))
 
 
 class DecoderMLP(nn.Module):
@@ -80,11 +77,10 @@ class DecoderLayer(nn.Module):
         rope: Rope,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = pre_norm(self.input_layernorm, x, residual)
-        x = self.self_attn(rope, x, kv_cache, meta)
+        x = self.self_attn(rope, x, batch)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -110,26 +106,3 @@ class LlamaForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, "model", DecoderModel(config))
-
-    def layer_metadata(
-        self, attn_metadata: AttentionMetadata | list[AttentionMetadata], kv_caches: list
-    ) -> list[AttentionMetadata]:
-        """One AttentionMetadata for all layers, or one per layer when the layers fall into several
-        KV-cache groups (e.g. sliding-window beside full attention); ``kv_caches[i]`` is layer i's cache."""
-        if isinstance(attn_metadata, list):
-            return attn_metadata
-        return [attn_metadata] * len(self.model.layers)
-
-    def attention_layer_names(self) -> list[str]:
-        return [f"model.layers.{i}.self_attn.attn" for i in range(len(self.model.layers))]
-
-    def get_kv_cache_spec(self, block_size: int) -> dict[str, object]:
-        """Per attention layer, in layer order: FullAttentionSpec or SlidingWindowSpec."""
-        from tokenos.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
-
-        c = self.config
-        specs: dict[str, object] = {}
-        for name, window in zip(self.attention_layer_names(), c.layer_sliding_windows, strict=True):
-            args = (block_size, c.num_key_value_heads, c.head_dim, c.dtype_name)
-            specs[name] = FullAttentionSpec(*args) if window is None else SlidingWindowSpec(*args, window)
-        return specs

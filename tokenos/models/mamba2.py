@@ -1,9 +1,9 @@
 """Mamba2ForCausalLM: a stack of ``RMSNorm -> Mamba2 mixer`` blocks with residuals, no attention.
 
-Every layer is recurrent, so the whole model's state is one fixed-size page per layer per request; it
-still takes the hybrid interface (``HybridMetadata``, one state-pool list per layer in ``kv_caches``) so
-the worker drives it exactly like an attention + Mamba hybrid. Parameter names equal transformers'
-(``backbone.layers.{i}.mixer.in_proj.weight`` ...), so the checkpoint loads by name.
+Every layer is recurrent, so the whole model's state is one fixed-size page per layer per request;
+the worker drives it exactly like an attention + Mamba hybrid (each mixer is a cache layer). Parameter
+names equal transformers' (``backbone.layers.{i}.mixer.in_proj.weight`` ...), so the checkpoint loads by
+name.
 """
 
 from __future__ import annotations
@@ -14,15 +14,13 @@ from torch import nn
 from tokenos.layers.embedding import VocabEmbedding
 from tokenos.layers.layernorm import RMSNorm
 from tokenos.layers.mamba2 import Mamba2Dims, Mamba2Mixer
-from tokenos.layers.short_conv import RecurrentBatch
-from tokenos.models.base import DecoderStack, pre_norm
+from tokenos.layers.metadata import ForwardBatch
+from tokenos.models.base import CausalLM, DecoderStack, pre_norm
 from tokenos.models.config import ModelConfig
-from tokenos.models.hybrid import HybridCausalLM, hf_attrs, run_recurrent
+from tokenos.models.hybrid import hf_attrs
 
 
 class Mamba2Block(nn.Module):
-    mixer_name = "mixer"
-
     def __init__(self, dims: Mamba2Dims, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.norm = RMSNorm(dims.hidden_size, eps)
@@ -33,12 +31,11 @@ class Mamba2Block(nn.Module):
         rope: None,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        states: list[torch.Tensor],
-        batch: RecurrentBatch,
+        batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``rope`` is always None (no attention; the state carries position), kept for the stack's call."""
         x, residual = pre_norm(self.norm, x, residual)
-        return run_recurrent(self.mixer, x, batch, states), residual
+        return self.mixer(x, batch), residual
 
 
 class Mamba2Backbone(DecoderStack):
@@ -52,9 +49,9 @@ class Mamba2Backbone(DecoderStack):
         )
 
 
-class Mamba2ForCausalLM(HybridCausalLM):
-    """Pure Mamba2 (state-spaces/mamba2, Codestral Mamba layout). Hybrid in interface only: it takes
-    HybridMetadata and per-layer ``[conv_pool, ssm_pool]`` state pools, like the attention hybrids."""
+class Mamba2ForCausalLM(CausalLM):
+    """Pure Mamba2 (state-spaces/mamba2, Codestral Mamba layout): one ``[conv_pool, ssm_pool]`` entry per
+    layer, like the recurrent layers of the attention hybrids."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, "backbone", Mamba2Backbone(config))

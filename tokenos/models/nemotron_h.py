@@ -7,9 +7,9 @@ routes DeepSeek-style (sigmoid scores, a correction bias for the choice only, th
 ``n_group`` expert groups, weights renormalised and times ``routed_scaling_factor``) over ungated relu2
 experts, computed plainly one expert at a time, plus shared experts.
 
-Only Mamba and attention blocks hold a cache. ``layer_names`` / ``get_kv_cache_spec`` list just those, so
-``kv_caches[j]`` is the j-th cache-holding block; ``forward`` hands MLP and MoE blocks no cache. Module
-names equal the checkpoint's (``backbone.layers.i.mixer...``, one ``experts.j`` module per expert).
+Only Mamba and attention blocks hold a cache (their mixers are cache layers); MLP and MoE blocks have none,
+so pool entry j is the j-th cache-holding block. Module names equal the checkpoint's
+(``backbone.layers.i.mixer...``, one ``experts.j`` module per expert).
 """
 
 from __future__ import annotations
@@ -21,21 +21,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenos.core.kv_cache.spec import KVCacheSpec
 from tokenos.layers.embedding import VocabEmbedding
 from tokenos.layers.layernorm import RMSNorm
 from tokenos.layers.linear import Linear
 from tokenos.layers.mamba2 import Mamba2Dims, Mamba2Mixer
-from tokenos.layers.short_conv import make_param
+from tokenos.layers.metadata import ForwardBatch
+from tokenos.layers.rotary import NoRotary, Rope
+from tokenos.layers.weights import make_param
 from tokenos.models.bamba import BambaAttention
-from tokenos.models.base import FUSED_QKV_GATE_UP, DecoderStack, pre_norm
+from tokenos.models.base import FUSED_QKV_GATE_UP, CausalLM, DecoderStack, pre_norm
 from tokenos.models.config import ModelConfig
-from tokenos.models.granitemoehybrid import NoRotary
-from tokenos.models.hybrid import HybridCausalLM, Rope, hf_attrs, kv_cache_spec_of, run_recurrent
+from tokenos.models.hybrid import hf_attrs
 
 PATTERN_KINDS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
 LEGACY_KINDS = {"mamba": "linear_attention", "attention": "full_attention"}
-CACHE_KINDS = ("linear_attention", "full_attention")
 
 
 def block_kinds(config: ModelConfig) -> list[str]:
@@ -136,9 +135,7 @@ class NemotronHMoE(nn.Module):
 
 
 class NemotronHBlock(nn.Module):
-    """``norm -> mixer`` on the residual stream; ``holds_cache`` for Mamba and attention mixers."""
-
-    mixer_name = "mixer"
+    """``norm -> mixer`` on the residual stream; Mamba and attention mixers hold a cache."""
 
     def __init__(self, config: ModelConfig, kind: str, dims: Mamba2Dims) -> None:
         super().__init__()
@@ -155,18 +152,14 @@ class NemotronHBlock(nn.Module):
         else:
             self.mixer = NemotronHMoE(config)
 
-    @property
-    def holds_cache(self) -> bool:
-        return self.kind in CACHE_KINDS
-
     def forward(
-        self, rope: Rope | None, x: torch.Tensor, residual: torch.Tensor | None, cache, meta
+        self, rope: Rope | None, x: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = pre_norm(self.norm, x, residual)
         if self.kind == "full_attention":
-            return self.mixer(rope, x, cache, meta), residual
+            return self.mixer(rope, x, batch), residual
         if self.kind == "linear_attention":
-            return run_recurrent(self.mixer, x, meta, cache), residual
+            return self.mixer(x, batch), residual
         return self.mixer(x), residual
 
 
@@ -183,7 +176,7 @@ class NemotronHModel(DecoderStack):
         )
 
 
-class NemotronHForCausalLM(HybridCausalLM):
+class NemotronHForCausalLM(CausalLM):
     """NVIDIA Nemotron-H / Nemotron 3: Mamba2, attention, MLP and MoE blocks; only the first two cache."""
 
     # q/k/v only: the MLPs' up_proj is not half of a gate_up_proj here.
@@ -191,24 +184,3 @@ class NemotronHForCausalLM(HybridCausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config, "backbone", NemotronHModel(config))
-
-    def cache_blocks(self) -> list[tuple[int, NemotronHBlock]]:
-        """(layer index, block) of every block that holds a cache, in ``kv_caches`` order."""
-        return [(i, block) for i, block in enumerate(self.stack.layers) if block.holds_cache]
-
-    def layer_names(self) -> list[str]:
-        return [f"{self._stack_name}.layers.{i}.mixer" for i, _ in self.cache_blocks()]
-
-    def get_kv_cache_spec(self, block_size: int, mamba_cache_mode: str = "align") -> dict[str, KVCacheSpec]:
-        blocks = [block.mixer for _, block in self.cache_blocks()]
-        layers = list(zip(self.layer_names(), blocks, strict=True))
-        return kv_cache_spec_of(layers, block_size, mamba_cache_mode, self.config.dtype_name)
-
-    @torch.inference_mode()
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any, kv_caches: list
-    ) -> torch.Tensor:
-        """``kv_caches[j]`` goes to the j-th cache-holding block; MLP and MoE blocks get ``None``."""
-        per_cache = iter(zip(kv_caches, self.layer_metadata(attn_metadata, kv_caches), strict=True))
-        pairs = [next(per_cache) if block.holds_cache else (None, None) for block in self.stack.layers]
-        return self.stack(input_ids, positions, [m for _, m in pairs], [c for c, _ in pairs])

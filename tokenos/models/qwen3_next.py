@@ -15,14 +15,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenos.layers.activation import SiluAndMul
-from tokenos.layers.attention import Attention, AttentionMetadata
+from tokenos.layers.attention import Attention
 from tokenos.layers.embedding import VocabEmbedding
 from tokenos.layers.gated_delta import GatedDeltaDims, GatedDeltaNet
 from tokenos.layers.layernorm import RMSNorm
 from tokenos.layers.linear import Linear, MergedLinear, QKVLinear
-from tokenos.models.base import FUSED_QKV_GATE_UP, DecoderStack
+from tokenos.layers.metadata import ForwardBatch
+from tokenos.layers.rotary import Rope, RotaryEmbedding
+from tokenos.models.base import FUSED_QKV_GATE_UP, CausalLM, DecoderStack
 from tokenos.models.config import ModelConfig
-from tokenos.models.hybrid import HybridCausalLM, HybridDecoderLayer, PartialRotary, Rope, hf_attrs
+from tokenos.models.hybrid import HybridDecoderLayer, hf_attrs, partial_rotary
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -60,7 +62,7 @@ def offset_norm(size: int, config: ModelConfig) -> OffsetRMSNorm:
 
 
 class Qwen3NextAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: PartialRotary) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = config.head_dim
@@ -75,9 +77,7 @@ class Qwen3NextAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
 
-    def forward(
-        self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, rope: Rope, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]
         p = self.qkv_proj
         q_gate, k, v = self.qkv_proj(x).split([p.q_size, p.kv_size, p.kv_size], -1)
@@ -85,7 +85,7 @@ class Qwen3NextAttention(nn.Module):
         q = self.q_norm(q)
         k = self.k_norm(k.view(n, self.num_kv_heads, self.head_dim))
         q, k = self.rotary(rope, q, k)
-        out = self.attn(q.contiguous(), k, v.view(n, self.num_kv_heads, self.head_dim), kv_cache, meta)
+        out = self.attn(q.contiguous(), k, v.view(n, self.num_kv_heads, self.head_dim), batch)
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
 
 
@@ -143,7 +143,7 @@ class Qwen3NextDecoderLayer(HybridDecoderLayer):
     recurrent_name, post_norm_name, mlp_name = "linear_attn", "post_attention_layernorm", "mlp"
 
     def __init__(
-        self, config: ModelConfig, layer: int, kind: str, rotary: PartialRotary, dims: GatedDeltaDims
+        self, config: ModelConfig, layer: int, kind: str, rotary: RotaryEmbedding, dims: GatedDeltaDims
     ) -> None:
         super().__init__(kind)
         self.input_layernorm = offset_norm(config.hidden_size, config)
@@ -165,7 +165,7 @@ class Qwen3NextModel(DecoderStack):
             raise ValueError(f"Qwen3-Next config needs layer_types with {config.num_hidden_layers} entries")
         dims = GatedDeltaDims.from_config(hf_attrs(config))
         embed = VocabEmbedding(config.vocab_size, config.hidden_size)
-        rotary = PartialRotary(config)
+        rotary = partial_rotary(config)
         super().__init__(
             ("embed_tokens", embed),
             [Qwen3NextDecoderLayer(config, i, kind, rotary, dims) for i, kind in enumerate(kinds)],
@@ -174,7 +174,7 @@ class Qwen3NextModel(DecoderStack):
         )
 
 
-class Qwen3NextForCausalLM(HybridCausalLM):
+class Qwen3NextForCausalLM(CausalLM):
     """Qwen3-Next (e.g. 80B-A3B) layout; multi-token-prediction (``mtp.*``) weights are skipped."""
 
     packed_modules_mapping = FUSED_QKV_GATE_UP

@@ -1,43 +1,66 @@
-"""HF architecture name -> model class, and ``build_model``: config in, loaded model out."""
+"""The one architecture registry: Hugging Face architecture name -> our model class, and `build_model`.
+
+An entry names the module and class that implement an architecture (imported only when a model is
+built, so resolving a config stays light) and the config defaults that tell it apart from its family's
+base (Qwen2's q/k/v bias, Qwen3's q/k norm). `tokenos.models.config` validates a checkpoint's
+architecture against this table; GGUF files map their own architecture names onto it in
+`tokenos.model_loader.gguf_loader`.
+"""
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+import importlib
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
-from tokenos.models.bamba import BambaForCausalLM
-from tokenos.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from tokenos.models.falcon_h1 import FalconH1ForCausalLM
-from tokenos.models.granitemoehybrid import GraniteMoeHybridForCausalLM
-from tokenos.models.llama import LlamaForCausalLM
-from tokenos.models.mamba2 import Mamba2ForCausalLM
-from tokenos.models.nemotron_h import NemotronHForCausalLM
-from tokenos.models.qwen3_next import Qwen3NextForCausalLM
+if TYPE_CHECKING:
+    from torch import nn
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    # Hybrids (class attribute is_hybrid = True): forward takes a HybridMetadata, see models/hybrid.py.
-    "Mamba2ForCausalLM": Mamba2ForCausalLM,
-    "BambaForCausalLM": BambaForCausalLM,
-    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
-    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
-    "FalconH1ForCausalLM": FalconH1ForCausalLM,
-    "NemotronHForCausalLM": NemotronHForCausalLM,
+    from tokenos.models.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Architecture:
+    module: str  # under tokenos.models
+    class_name: str
+    # ModelConfig fields this architecture implies unless the checkpoint says otherwise.
+    defaults: dict[str, Any] = field(default_factory=dict)
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "LlamaForCausalLM": Architecture("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": Architecture("llama", "LlamaForCausalLM"),
+    "Qwen2ForCausalLM": Architecture("llama", "LlamaForCausalLM", {"attention_bias": True}),
+    "Qwen3ForCausalLM": Architecture("llama", "LlamaForCausalLM", {"qk_norm": True}),
+    "Mamba2ForCausalLM": Architecture("mamba2", "Mamba2ForCausalLM"),
+    "BambaForCausalLM": Architecture("bamba", "BambaForCausalLM"),
+    "Qwen3NextForCausalLM": Architecture("qwen3_next", "Qwen3NextForCausalLM"),
+    "GraniteMoeHybridForCausalLM": Architecture("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
+    "FalconH1ForCausalLM": Architecture("falcon_h1", "FalconH1ForCausalLM"),
+    "NemotronHForCausalLM": Architecture("nemotron_h", "NemotronHForCausalLM"),
 }
-assert set(MODEL_REGISTRY) == set(SUPPORTED_ARCHITECTURES)
 
 
-def model_class(architecture: str) -> type[nn.Module]:
-    if architecture not in MODEL_REGISTRY:
-        raise ValueError(f"Unsupported architecture {architecture!r}; supported: {', '.join(MODEL_REGISTRY)}")
-    return MODEL_REGISTRY[architecture]
+def get_architecture(name: str) -> Architecture:
+    """The registry entry of `name`; ValueError naming the supported ones otherwise."""
+    try:
+        return ARCHITECTURES[name]
+    except KeyError:
+        raise ValueError(
+            f"Unsupported architecture {name!r}; supported: {', '.join(ARCHITECTURES)}"
+        ) from None
+
+
+def model_class(name: str) -> type[nn.Module]:
+    entry = get_architecture(name)
+    module = importlib.import_module(f"tokenos.models.{entry.module}")
+    return getattr(module, entry.class_name)
 
 
 def build_model(model_config: ModelConfig, load: bool = True) -> nn.Module:
     """Instantiate the model in ``model_config.dtype`` and (by default) load its checkpoint."""
+    import torch
+
     from tokenos.model_loader import load_weights
 
     previous = torch.get_default_dtype()

@@ -1,36 +1,21 @@
-"""The persistent batch: one row per running request, updated in place every step.
+"""The persistent batch: the worker's one copy of every running request's state, one row each.
 
-Rows [0, num_reqs) are dense. A request keeps its row while it runs; when requests leave,
-the last rows move into the holes (`condense`), so per-step work is proportional to what
-changed, not to the batch size. Each row holds the request's token ids, its block-table
-rows (one per KV-cache group) and its sampling state (`SamplingState`, same row index).
+A request gets a row when the scheduler first sends it (`add_request`) and keeps it until it finishes or
+is preempted (`remove_requests`), scheduled in a step or not: its token ids, counters, block-table rows
+(one per KV-cache group) and sampling state (`SamplingState`, same row index) live only here. Each step
+`gather_scheduled` swaps rows so the scheduled requests occupy rows ``[0, n)``, which is what the step's
+input layout and the sampler read; usually nothing moves. When requests leave, the last rows move into
+the holes, so per-step work is proportional to what changed, not to the batch size.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
 from tokenos.sample.state import SamplingState
 from tokenos.sampling_params import SamplingParams
-
-
-@dataclass
-class CachedRequestState:
-    """What the worker remembers of a request between steps (including while unscheduled)."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    block_ids: list[list[int]]  # per KV-cache group
-    num_computed_tokens: int
-    output_token_ids: list[int] = field(default_factory=list)
-    eos_token_id: int | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 class BlockTable:
@@ -40,21 +25,33 @@ class BlockTable:
         self.table = np.zeros((max_num_reqs, max_blocks), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
 
-    def set_row(self, row: int, block_ids: list[int]) -> None:
+    def set_row(self, row: int, block_ids: Sequence[int]) -> None:
         n = len(block_ids)
         self.table[row, :n] = block_ids
         self.num_blocks[row] = n
 
-    def append(self, row: int, block_ids: list[int]) -> None:
+    def append(self, row: int, block_ids: Sequence[int]) -> None:
         start = self.num_blocks[row]
         end = start + len(block_ids)
         self.table[row, start:end] = block_ids
         self.num_blocks[row] = end
 
+    def clear_columns(self, row: int, columns: Sequence[int]) -> None:
+        """The request gave these columns up: they point at the null block again."""
+        self.table[row, list(columns)] = 0
+
+    def row(self, row: int) -> list[int]:
+        return self.table[row, : self.num_blocks[row]].tolist()
+
     def move_row(self, src: int, dst: int) -> None:
         n = self.num_blocks[src]
         self.table[dst, :n] = self.table[src, :n]
         self.num_blocks[dst] = n
+
+    def swap_rows(self, a: int, b: int) -> None:
+        n = max(self.num_blocks[a], self.num_blocks[b])
+        self.table[[a, b], :n] = self.table[[b, a], :n]
+        self.num_blocks[[a, b]] = self.num_blocks[[b, a]]
 
 
 class InputBatch:
@@ -76,33 +73,48 @@ class InputBatch:
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_tables = [BlockTable(max_num_reqs, n) for n in max_blocks_per_group]
         self.sampling = SamplingState(max_num_reqs, vocab_size)
-        self.prompt_logprobs_rows: set[int] = set()
+        # row -> top-n of the prompt logprobs that request wants (rows without an entry want none).
+        self.prompt_logprobs: dict[int, int] = {}
 
     # ------------------------------------------------------------ membership
 
-    def add_request(self, state: CachedRequestState) -> int:
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        num_computed_tokens: int,
+        block_ids: Sequence[Sequence[int]],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+    ) -> int:
+        """Give a request the next free row; `output_token_ids` is what it generated before a preemption."""
+        if req_id in self.req_id_to_index:
+            raise ValueError(f"request {req_id!r} is already in the batch")
+        if self.num_reqs == self.max_num_reqs:
+            raise ValueError(f"the batch is full ({self.max_num_reqs} requests)")
         row = self.num_reqs
         self.num_reqs += 1
-        self.req_ids[row] = state.req_id
-        self.req_id_to_index[state.req_id] = row
-        n_prompt = len(state.prompt_token_ids)
-        n = state.num_tokens
-        self.token_ids[row, :n_prompt] = state.prompt_token_ids
-        self.token_ids[row, n_prompt:n] = state.output_token_ids
+        self.req_ids[row] = req_id
+        self.req_id_to_index[req_id] = row
+        n_prompt = len(prompt_token_ids)
+        n = n_prompt + len(output_token_ids)
+        self.token_ids[row, :n_prompt] = prompt_token_ids
+        self.token_ids[row, n_prompt:n] = output_token_ids
         self.num_tokens[row] = n
         self.num_prompt_tokens[row] = n_prompt
-        self.num_computed_tokens[row] = state.num_computed_tokens
-        for table, ids in zip(self.block_tables, state.block_ids, strict=True):
+        self.num_computed_tokens[row] = num_computed_tokens
+        for table, ids in zip(self.block_tables, block_ids, strict=True):
             table.set_row(row, ids)
         self.sampling.add_request(
-            row, state.sampling_params, state.prompt_token_ids, state.output_token_ids, state.eos_token_id
+            row, sampling_params, list(prompt_token_ids), list(output_token_ids), eos_token_id
         )
-        if state.sampling_params.prompt_logprobs is not None:
-            self.prompt_logprobs_rows.add(row)
+        if sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs[row] = sampling_params.prompt_logprobs
         return row
 
-    def remove_requests(self, req_ids: list[str]) -> None:
-        """Drop the rows of `req_ids` and move the last rows into the holes."""
+    def remove_requests(self, req_ids: Collection[str]) -> None:
+        """Drop the rows of `req_ids` (unknown ids are ignored) and move the last rows into the holes."""
         holes = []
         for req_id in req_ids:
             row = self.req_id_to_index.pop(req_id, None)
@@ -110,7 +122,7 @@ class InputBatch:
                 continue
             self.req_ids[row] = None
             self.sampling.remove_request(row)
-            self.prompt_logprobs_rows.discard(row)
+            self.prompt_logprobs.pop(row, None)
             holes.append(row)
         if holes:
             self._condense(sorted(holes))
@@ -139,14 +151,65 @@ class InputBatch:
         for table in self.block_tables:
             table.move_row(src, dst)
         self.sampling.move_row(src, dst)
-        if src in self.prompt_logprobs_rows:
-            self.prompt_logprobs_rows.discard(src)
-            self.prompt_logprobs_rows.add(dst)
+        if src in self.prompt_logprobs:
+            self.prompt_logprobs[dst] = self.prompt_logprobs.pop(src)
+
+    def swap_rows(self, a: int, b: int) -> None:
+        ra, rb = self.req_ids[a], self.req_ids[b]
+        assert ra is not None and rb is not None
+        self.req_ids[a], self.req_ids[b] = rb, ra
+        self.req_id_to_index[rb], self.req_id_to_index[ra] = a, b
+        n = max(self.num_tokens[a], self.num_tokens[b])
+        self.token_ids[[a, b], :n] = self.token_ids[[b, a], :n]
+        for arr in (self.num_tokens, self.num_prompt_tokens, self.num_computed_tokens):
+            arr[[a, b]] = arr[[b, a]]
+        for table in self.block_tables:
+            table.swap_rows(a, b)
+        self.sampling.swap_rows(a, b)
+        pa, pb = self.prompt_logprobs.pop(a, None), self.prompt_logprobs.pop(b, None)
+        if pa is not None:
+            self.prompt_logprobs[b] = pa
+        if pb is not None:
+            self.prompt_logprobs[a] = pb
+
+    def gather_scheduled(self, scheduled: Collection[str]) -> int:
+        """Swap rows so that rows ``[0, n)`` hold exactly the requests in `scheduled`; returns n."""
+        n = len(scheduled)
+        misplaced = [r for r in range(n) if self.req_ids[r] not in scheduled]
+        if misplaced:
+            outside = [r for r in range(n, self.num_reqs) if self.req_ids[r] in scheduled]
+            for a, b in zip(misplaced, outside, strict=True):
+                self.swap_rows(a, b)
+        return n
 
     # ------------------------------------------------------------ per-step updates
+
+    def update_request(
+        self,
+        req_id: str,
+        num_computed_tokens: int,
+        removed_columns: Sequence[Sequence[int]] | None,
+        new_block_ids: Sequence[Sequence[int]] | None,
+    ) -> None:
+        """Apply the scheduler's diff for a request the worker holds: its computed count, the columns it
+        gave up (set to the null block first), then the blocks appended to each group."""
+        row = self.req_id_to_index[req_id]
+        self.num_computed_tokens[row] = num_computed_tokens
+        if removed_columns is not None:
+            for table, columns in zip(self.block_tables, removed_columns, strict=True):
+                if columns:
+                    table.clear_columns(row, columns)
+        if new_block_ids is not None:
+            for table, added in zip(self.block_tables, new_block_ids, strict=True):
+                if added:
+                    table.append(row, added)
 
     def append_token(self, row: int, token_id: int) -> None:
         n = self.num_tokens[row]
         self.token_ids[row, n] = token_id
         self.num_tokens[row] = n + 1
         self.sampling.append_output(row, token_id)
+
+    def block_ids(self, req_id: str, group: int) -> list[int]:
+        """The request's block list of one group (what copies index into)."""
+        return self.block_tables[group].row(self.req_id_to_index[req_id])

@@ -16,12 +16,7 @@ from tokenos.core.kv_cache.spec import (
     KVCacheConfig,
     MambaSpec,
 )
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    return _DTYPES[name]
+from tokenos.platform import torch_dtype
 
 
 def _page_view(buf: torch.Tensor, num_blocks: int, page_size: int, nbytes: int, offset: int = 0):

@@ -16,7 +16,7 @@ Three helpers keep the column arithmetic in one place: ``running_column``, ``run
 per-request block lists) and ``group_layer_indices`` (group id -> indices into the per-layer cache list).
 "all" mode also writes the state after every block boundary ``b`` (``n < b <= n + k``) to page
 ``block_ids[b // B - 1]``: pass ``boundary_pages(...)`` and the block size to ``build_recurrent_batch``;
-the layers write them from the same scan (``tokenos.models.hybrid.CheckpointingBatch``).
+the layers write them from the same scan (``RecurrentBatch.checkpoint_pages``).
 
 ``apply_prefix_page_copies`` runs first of all: the copy-on-write of prefix-hit pages that are not on a
 page boundary (``SchedulerOutput.prefix_page_copies``; attention or recurrent groups alike: a whole-page
@@ -36,8 +36,7 @@ import numpy as np
 import torch
 
 from tokenos.core.kv_cache.spec import KVCacheConfig, MambaSpec
-from tokenos.layers.short_conv import RecurrentBatch
-from tokenos.models.hybrid import CheckpointingBatch
+from tokenos.layers.recurrent_batch import RecurrentBatch
 
 NULL_BLOCK = 0
 
@@ -120,7 +119,7 @@ def build_recurrent_batch(
     if np.any(np.asarray(checkpoint_pages) == NULL_BLOCK):
         raise ValueError('an "all"-mode checkpoint page is the null block: the block list is too short')
     pages = torch.as_tensor(np.asarray(checkpoint_pages, dtype=np.int64))
-    return CheckpointingBatch(*args, checkpoint_every=block_size, checkpoint_pages=pages, **kwargs)
+    return RecurrentBatch(*args, checkpoint_every=block_size, checkpoint_pages=pages, **kwargs)
 
 
 def apply_state_copies(

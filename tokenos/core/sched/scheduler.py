@@ -372,6 +372,7 @@ class Scheduler:
                 block_ids=kv.get_block_ids(r.request_id),
                 num_computed_tokens=r.num_computed_tokens,
                 output_token_ids=list(r.output_token_ids),
+                eos_token_id=r.eos_token_id,
             )
             for r in new_reqs
         ]
