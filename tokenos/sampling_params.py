@@ -1,14 +1,16 @@
-"""How one request wants its tokens chosen and when it stops.
+"""How one request wants its tokens chosen and when it stops: the user's `SamplingParams`, shaped like vLLM's.
 
-Pure Python (no torch): the scheduler and the frontend read it; the worker turns a batch
-of them into tensors. Every check a user can fail lives in `__post_init__`, so bad input
-is rejected at the door with a ValueError that says what to change.
+Pure Python (no torch). Every check a user can fail without knowing the model lives in `__post_init__`,
+so bad input is rejected at once with a ValueError that says what to change; the checks against the
+model (token ids in the vocabulary, the context length) are the front door's
+(`tokenos.engine.input_processor`), which also turns these parameters into the engine core's own
+`EngineSamplingParams`.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -41,8 +43,6 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Filled by the frontend from the tokenizer/config, not by users.
-    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -52,7 +52,6 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._verify()
-        self.all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify(self) -> None:
         def bad(msg: str) -> ValueError:
@@ -90,13 +89,3 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
-
-    def clone_for_sample(self, index: int) -> SamplingParams:
-        """The parameters of sample `index` of an n > 1 request: n=1, its own derived seed."""
-        import copy
-
-        child = copy.copy(self)
-        child.n = 1
-        if self.seed is not None:
-            child.seed = self.seed + index
-        return child

@@ -1,4 +1,4 @@
-"""A fake worker that follows the SchedulerOutput contract in tokenos/core/outputs.py literally,
+"""A fake worker that follows the SchedulerOutput contract in tokenos/core/sched/output.py literally,
 plus an invariant checker and an engine loop, for the scheduler tests.
 
 Pages hold fake contents: an attention page is a list of (position, token) per slot, a
@@ -21,10 +21,10 @@ from tokenos.core.kv_cache.spec import (
     MambaSpec,
     SlidingWindowSpec,
 )
-from tokenos.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenos.core.messages import EngineSamplingParams
 from tokenos.core.request import Request, RequestStatus
+from tokenos.core.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenos.core.sched.scheduler import Scheduler
-from tokenos.sampling_params import SamplingParams
 
 VOCAB = 50
 EOS = 0
@@ -327,8 +327,8 @@ def make_engine(*specs, at_end: bool = False, num_blocks: int = 64, budget: int 
 
 
 def make_request(rid: str, prompt: list[int], max_tokens: int = 8, **kw) -> Request:
-    sp_kw = {k: kw.pop(k) for k in list(kw) if k in SamplingParams.__dataclass_fields__}
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **sp_kw), eos_token_id=EOS, **kw)
+    sp_kw = {k: kw.pop(k) for k in list(kw) if k in EngineSamplingParams.__struct_fields__}
+    return Request(rid, prompt, EngineSamplingParams(max_tokens=max_tokens, **sp_kw), eos_token_id=EOS, **kw)
 
 
 def step(s: Scheduler, w: FakeWorker, checker: Checker | None = None, full_check: bool = True):

@@ -10,8 +10,8 @@ import pytest
 
 from tokenos.core.hashing import get_hash_fn, hash_block_tokens, make_block_hasher
 from tokenos.core.kv_cache.block_pool import BlockPool, FreeKVCacheBlockQueue, KVCacheBlock
+from tokenos.core.messages import EngineSamplingParams
 from tokenos.core.request import Request
-from tokenos.sampling_params import SamplingParams
 
 H = get_hash_fn("sha256")
 
@@ -102,7 +102,7 @@ def _req(tokens, salt=None, adapter=None, bs=4, algo="sha256"):
     return Request(
         "r",
         tokens,
-        SamplingParams(),
+        EngineSamplingParams(),
         cache_salt=salt,
         adapter_id=adapter,
         block_hasher=make_block_hasher(bs, get_hash_fn(algo)),

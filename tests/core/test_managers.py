@@ -6,9 +6,9 @@ import pytest
 from core_sim import attn, make_config, mamba, swa
 
 from tokenos.core.hashing import get_hash_fn, make_block_hasher
-from tokenos.core.kv_cache.manager import KVCacheManager
+from tokenos.core.kv_cache.manager import Allocation, KVCacheManager
+from tokenos.core.messages import EngineSamplingParams
 from tokenos.core.request import Request
-from tokenos.sampling_params import SamplingParams
 
 
 def _setup(*specs, num_blocks=64, caching=True):
@@ -19,7 +19,7 @@ def _setup(*specs, num_blocks=64, caching=True):
 
 def _req(kv, rid, tokens, **sp):
     hasher = make_block_hasher(kv.kv_cache_config.hash_block_size, get_hash_fn("sha256"))
-    return Request(rid, tokens, SamplingParams(**sp), block_hasher=hasher)
+    return Request(rid, tokens, EngineSamplingParams(**sp), block_hasher=hasher)
 
 
 def _publish(kv, req, group, columns):
@@ -49,7 +49,8 @@ def test_hybrid_hit_is_the_boundary_every_group_shares(attn_cols, mamba_cols, wa
     _publish(kv, req, 0, list(attn_cols))
     if mamba_cols:
         _publish(kv, req, 1, mamba_cols)
-    blocks, hit = kv.coordinator.find_longest_cache_hit(req.block_hashes, 32)
+    found = kv.coordinator.find_longest_cache_hit(req.block_hashes, 32)
+    blocks, hit = found.blocks, found.num_tokens
     assert hit == want
     if hit:
         assert len(blocks[0]) == hit // 4 and not any(b.is_null for b in blocks[0])
@@ -64,29 +65,30 @@ def test_fixed_point_needs_more_than_one_trim():
     _publish(kv, req, 0, [0, 1, 2, 4, 5])  # column 3 missing
     _publish(kv, req, 1, [2, 5])
     # candidate 32 -> sliding 24 (cols 4,5) -> recurrent 24 (col 5) -> agreed
-    assert kv.coordinator.find_longest_cache_hit(req.block_hashes, 32)[1] == 24
+    assert kv.coordinator.find_longest_cache_hit(req.block_hashes, 32).num_tokens == 24
     kv2 = _setup(swa(4, 6), mamba(4))
     _publish(kv2, req, 0, [0, 1, 2, 4, 5])
     _publish(kv2, req, 1, [2, 4])
     # sliding 24 -> recurrent 20 (col 4) -> sliding at 20 needs cols 3,4: col 3 missing, so 12
     # -> recurrent 12 (col 2) -> sliding 12 (cols 1,2) -> agreed at 12
-    assert kv2.coordinator.find_longest_cache_hit(req.block_hashes, 32)[1] == 12
+    assert kv2.coordinator.find_longest_cache_hit(req.block_hashes, 32).num_tokens == 12
 
 
 def test_hit_capped_below_the_whole_prompt_and_prompt_logprobs_skip():
     kv = _setup(attn(4))
     req = _req(kv, "r", list(range(16)))
     _publish(kv, req, 0, range(4))
-    blocks, hit = kv.get_computed_blocks(req)
-    assert hit == 12  # 16 would leave nothing to compute: the last block is recomputed
+    assert (
+        kv.get_computed_blocks(req).num_tokens == 12
+    )  # 16 would leave nothing to compute: the last block is recomputed
     req2 = _req(kv, "r2", list(range(16)), prompt_logprobs=1)
-    assert kv.get_computed_blocks(req2)[1] == 0
+    assert kv.get_computed_blocks(req2).num_tokens == 0
 
 
 def test_sliding_window_frees_blocks_outside_the_window():
     kv = _setup(swa(4, 6))
     req = _req(kv, "r", list(range(30)))
-    assert kv.allocate_slots(req, 24) == ([1, 2, 3, 4, 5, 6],)
+    assert kv.allocate_slots(req, 24).new_block_ids == ([1, 2, 3, 4, 5, 6],)
     req.num_computed_tokens = 24
     removed = kv.remove_skipped_blocks(req)
     # next query at 24 reads keys 19..24: columns 0..3 (tokens < 16) are dead
@@ -101,15 +103,15 @@ def test_sliding_window_frees_blocks_outside_the_window():
 def test_mamba_align_keeps_previous_and_running_pages_only():
     kv = _setup(mamba(4, "align"))
     req = _req(kv, "r", list(range(40)))
-    assert kv.allocate_slots(req, 8) == ([0, 1],)  # running column 1; column 0 never needed
+    assert kv.allocate_slots(req, 8).new_block_ids == ([0, 1],)  # running column 1; column 0 never needed
     assert kv.state_copies(0, 8) is None
     req.num_computed_tokens = 8
     assert kv.remove_skipped_blocks(req) is None
-    assert kv.allocate_slots(req, 1) == ([2],)  # 9 tokens: running column 2
+    assert kv.allocate_slots(req, 1).new_block_ids == ([2],)  # 9 tokens: running column 2
     assert kv.state_copies(8, 9) == {0: (1, 2)}
     req.num_computed_tokens = 9
     assert kv.remove_skipped_blocks(req) == ([1],)
-    assert kv.allocate_slots(req, 3) == ()  # 12 tokens: still column 2, in place
+    assert kv.allocate_slots(req, 3) == Allocation(ok=True)  # 12 tokens: still column 2, in place
     assert kv.state_copies(9, 12) is None
     assert kv.get_block_ids("r") == ([0, 0, 2],)
 
@@ -134,16 +136,16 @@ def test_recurrent_checkpoints_published_only_after_the_step():
     # attention blocks are published at allocation, the checkpoint is not yet
     assert kv.block_pool.get_cached_block(req.block_hashes[1], 0) is not None
     assert kv.block_pool.get_cached_block(req.block_hashes[1], 1) is None
-    kv.cache_recurrent_blocks(req)  # what update_from_output does once the step ran
+    kv.after_step(req)  # what update_from_output does once the step ran
     assert kv.block_pool.get_cached_block(req.block_hashes[1], 1) is not None
 
 
 def test_allocation_is_all_or_nothing_and_reserves_the_full_need():
     kv = _setup(attn(4), num_blocks=6)  # 5 usable blocks
     a = _req(kv, "a", list(range(12)))
-    assert kv.allocate_slots(a, 12) is not None  # 3 blocks
+    assert kv.allocate_slots(a, 12).ok  # 3 blocks
     b = _req(kv, "b", list(range(100, 112)))
     # the first chunk (4 tokens) would fit, but the whole prompt (3 blocks) does not
-    assert kv.allocate_slots(b, 4, num_tokens_to_reserve=12) is None
+    assert not kv.allocate_slots(b, 4, num_tokens_to_reserve=12).ok
     assert kv.block_pool.get_num_free_blocks() == 2 and kv.get_block_ids("b") == ([],)
-    assert kv.allocate_slots(b, 4, num_tokens_to_reserve=8) is not None
+    assert kv.allocate_slots(b, 4, num_tokens_to_reserve=8).ok

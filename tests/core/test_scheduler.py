@@ -6,10 +6,10 @@ import pytest
 from core_sim import EOS, Checker, FakeWorker, attn, make_config, make_request, mamba, step
 
 from tokenos.config import CacheConfig, SchedulerConfig
-from tokenos.core.outputs import EngineCoreRequest, FinishReason, ModelRunnerOutput, sampling_params_to_dict
+from tokenos.core.messages import EngineCoreRequest, EngineSamplingParams, FinishReason
 from tokenos.core.request import Request, RequestStatus
+from tokenos.core.sched.output import ModelRunnerOutput
 from tokenos.core.sched.scheduler import Scheduler
-from tokenos.sampling_params import SamplingParams
 
 
 def make(num_blocks=64, specs=None, max_model_len=64, caching=True, **sched_kw):
@@ -202,12 +202,19 @@ def test_add_request_rejects_bad_prompts():
 
 
 def test_from_engine_core_request():
-    params = SamplingParams(max_tokens=3, stop_token_ids=[4], temperature=0.0)
+    params = EngineSamplingParams(max_tokens=3, stop_token_ids=[4], temperature=0.0)
     ecr = EngineCoreRequest(
-        "x", [1, 2, 3], sampling_params_to_dict(params), eos_token_id=2, priority=1, cache_salt="s"
+        request_id="x",
+        prompt_token_ids=[1, 2, 3],
+        sampling_params=params,
+        eos_token_id=2,
+        extra_eos_token_ids=[7],
+        priority=1,
+        cache_salt="s",
     )
     req = Request.from_engine_core_request(ecr)
     assert req.request_id == "x" and req.sampling_params.stop_token_ids == [4]
+    assert req.stop_token_ids == {4, 7}
     assert req.eos_token_id == 2 and req.cache_salt == "s" and req.priority == 1
     assert req.all_token_ids == [1, 2, 3] and req.status == RequestStatus.WAITING
 

@@ -17,12 +17,12 @@ import time
 
 import pytest
 
-from tokenos.core.outputs import (
+from tokenos.core.messages import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineSamplingParams,
     FinishReason,
-    sampling_params_to_dict,
 )
 from tokenos.engine.core_client import (
     AsyncEngineCoreClient,
@@ -30,7 +30,6 @@ from tokenos.engine.core_client import (
     EngineStartupError,
     RequestRejectedError,
 )
-from tokenos.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -47,7 +46,7 @@ class EchoCore:
             raise ValueError("prompt must not be empty")
         if req.prompt_token_ids[0] == self.crash_on:
             self.crash = True
-        max_tokens = req.sampling_params["max_tokens"]
+        max_tokens = req.sampling_params.max_tokens
         self.requests[req.request_id] = (req.prompt_token_ids, max_tokens, [])
 
     def abort_requests(self, ids: list[str]) -> None:
@@ -91,8 +90,8 @@ def failing_factory() -> EchoCore:
 
 
 def request(rid: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:
-    params = sampling_params_to_dict(SamplingParams(max_tokens=max_tokens))
-    return EngineCoreRequest(rid, prompt, params)
+    params = EngineSamplingParams(max_tokens=max_tokens)
+    return EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=params)
 
 
 async def collect(stream) -> list[EngineCoreOutput]:

@@ -188,7 +188,8 @@ def test_skip_special_tokens(tokenizer: Tokenizer) -> None:
 
 
 def test_smollm2_chat_turn(smollm2: Tokenizer) -> None:
-    prompt = smollm2.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=True)
+    text = smollm2.apply_chat_template([{"role": "user", "content": "hi"}])
+    prompt = smollm2.encode(text, add_special_tokens=False)
     answer = "Bonjour ! 😀 你好, wie geht's?"
     ids = smollm2.encode(answer, add_special_tokens=False) + [smollm2.eos_token_id]
     detok, deltas, _ = stream(smollm2, prompt, ids, SamplingParams())

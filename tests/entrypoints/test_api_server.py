@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tokenos.engine.core_client import EngineDeadError
+from tokenos.engine.input_processor import InputProcessor
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,7 +36,7 @@ def test_completion_text_prompt(make_client, fake_engine):
     assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 3
     assert body["usage"]["total_tokens"] == 8
     call = fake_engine.calls[0]
-    assert call["prompt"]["prompt_token_ids"] == [ord(c) for c in "hello"]
+    assert call["prompt"].token_ids == [ord(c) for c in "hello"]
 
 
 def test_completion_several_prompts_and_n(make_client, fake_engine):
@@ -103,7 +104,11 @@ def test_chat_completion(make_client, fake_engine):
 
 
 def test_chat_template_override_from_server_and_request(make_client, fake_engine):
-    client = make_client(fake_engine, chat_template="SERVER|")
+    # The server's --chat-template reaches the engine's front door (EngineArgs.chat_template).
+    fake_engine.input_processor = InputProcessor(
+        fake_engine.tokenizer, fake_engine.model_config, chat_template="SERVER|"
+    )
+    client = make_client(fake_engine)
     messages = [{"role": "user", "content": "q"}]
     assert (
         client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 3}).json()["choices"][

@@ -3,9 +3,14 @@ and the server keeps serving. Runs the real FastAPI app over the fake engine (no
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from tokenos.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from tests.entrypoints.conftest import FakeTokenizer
+from tokenos.core.validation import InvalidRequestError
+from tokenos.engine.input_processor import InputProcessor
+from tokenos.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tokenos.sampling_params import RequestOutputKind
 
 COMPLETION = {"model": "fake-model", "prompt": "hello", "max_tokens": 3}
@@ -51,7 +56,36 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"chat_template": "broken"}, 400, "messages"),
     ("/v1/chat/completions", {"model": "nope"}, 404, "model"),
+    # token ids out of range are refused before anything decodes them (echo decodes the prompt)
+    ("/v1/completions", {"prompt": [5, -1], "echo": True}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[5], [2**40]]}, 400, "prompt"),
+    # features tokenos does not implement yet are refused by name, never silently ignored
+    ("/v1/completions", {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    (
+        "/v1/chat/completions",
+        {"response_format": {"type": "json_schema", "json_schema": {}}},
+        400,
+        "response_format",
+    ),
+    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/completions", {"best_of": 3}, 400, "best_of"),
+    ("/v1/completions", {"guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("/v1/chat/completions", {"guided_choice": ["a", "b"]}, 400, "guided_choice"),
+    ("/v1/completions", {"logits_processors": ["x"]}, 400, "logits_processors"),
+    ("/v1/completions", {"prompt_logprobs": 1}, 400, "prompt_logprobs"),
 ]
+
+
+def test_harmless_values_of_unsupported_fields_are_accepted(make_client, fake_engine):
+    client = make_client(fake_engine)
+    accepted = [
+        ("/v1/chat/completions", {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}),
+        ("/v1/completions", {"best_of": 1, "unknown_extra": 5}),
+    ]
+    for route, changes in accepted:
+        body = {**(CHAT if "chat" in route else COMPLETION), **changes}
+        assert client.post(route, json=body).status_code == 200
 
 
 @pytest.mark.parametrize(("route", "changes", "status", "param"), BAD_REQUESTS)
@@ -114,19 +148,19 @@ def test_completion_request_maps_to_sampling_params():
             "stream": True,
         }
     )
-    p = request.to_sampling_params(max_model_len=64, prompt_len=2)
+    p = request.to_sampling_params()
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.seed) == (5, 0.0, 0.5, 0, 0.1, 7)
     assert (p.stop, p.stop_token_ids, p.logit_bias, p.logprobs) == (["x"], [3], {9: -100.0}, 2)
     assert p.ignore_eos and p.include_stop_str_in_output and p.min_tokens == 1 and p.repetition_penalty == 1.1
     assert p.output_kind == RequestOutputKind.DELTA
-    assert (
-        CompletionRequest(prompt="hi").to_sampling_params(64, 2).output_kind == RequestOutputKind.FINAL_ONLY
-    )
+    assert CompletionRequest(prompt="hi").to_sampling_params().output_kind == RequestOutputKind.FINAL_ONLY
 
 
 def test_chat_max_tokens_default_to_the_rest_of_the_context():
     request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]})
-    assert request.to_sampling_params(max_model_len=64, prompt_len=10).max_tokens == 54
+    assert request.to_sampling_params().max_tokens is None  # no cap but the context length
+    door = InputProcessor(FakeTokenizer(), SimpleNamespace(max_model_len=64, vocab_size=1000))
+    door.check_context(10, None)
     request = ChatCompletionRequest.model_validate(
         {
             "messages": [{"role": "user", "content": "hi"}],
@@ -136,7 +170,9 @@ def test_chat_max_tokens_default_to_the_rest_of_the_context():
             "top_logprobs": 3,
         }
     )
-    params = request.to_sampling_params(max_model_len=64, prompt_len=10)
+    params = request.to_sampling_params()
     assert (params.max_tokens, params.logprobs) == (4, 3)
-    with pytest.raises(OpenAIError, match="maximum context length is 64"):
-        request.to_sampling_params(max_model_len=64, prompt_len=61)
+    door.check_context(60, params.max_tokens)
+    with pytest.raises(InvalidRequestError, match="maximum context length is 64") as e:
+        door.check_context(61, params.max_tokens)
+    assert e.value.param == "max_tokens"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenos.core.outputs import SchedulerOutput
+from tokenos.core.sched.output import SchedulerOutput
 
 
 def forked_counts(scheduled: list[SchedulerOutput]) -> list[int]:

@@ -3,7 +3,7 @@ transformers,
 over a real paged pool.
 
 The harness plays the worker by hand, literally following the SchedulerOutput contract of
-``tokenos/core/outputs.py``: block lists per KV-cache group from one shuffled free list, the running
+``tokenos/core/sched/output.py``: block lists per KV-cache group from one shuffled free list, the running
 recurrent column ``s = (n + k - 1) // B``, ``(src, dst)`` state copies before the step, old recurrent
 columns given back after it, prefix-hit adoption of a checkpoint page. The pool is the one the engine
 builds (``get_kv_cache_config`` + ``allocate_kv_caches``), so pages are padded and views strided exactly as

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenos import LLM
-    from tokenos.core.outputs import SchedulerOutput
+    from tokenos.core.sched.output import SchedulerOutput
 
 
 def record_schedules(llm: LLM) -> list[SchedulerOutput]:

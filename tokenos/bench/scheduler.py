@@ -13,8 +13,8 @@ import time
 
 from tokenos.config import CacheConfig, SchedulerConfig
 from tokenos.core.kv_cache.spec import FullAttentionSpec, get_kv_cache_config
-from tokenos.core.outputs import ModelRunnerOutput
 from tokenos.core.request import Request
+from tokenos.core.sched.output import ModelRunnerOutput
 from tokenos.core.sched.scheduler import Scheduler
 from tokenos.sampling_params import SamplingParams
 

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from tokenos.core.outputs import EngineCoreRequest, FinishReason, sampling_params_from_dict
-from tokenos.sampling_params import SamplingParams
+from tokenos.core.messages import EngineCoreRequest, EngineSamplingParams, FinishReason
 
 if TYPE_CHECKING:
     from tokenos.core.hashing import BlockHash
@@ -68,6 +67,7 @@ class Request:
         "num_preemptions",
         "stop_reason",
         "max_tokens",
+        "stop_token_ids",
         "fork_of",
         "_block_hasher",
         "_next_hash_at",
@@ -78,7 +78,7 @@ class Request:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        sampling_params: SamplingParams,
+        sampling_params: EngineSamplingParams,
         eos_token_id: int | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -86,6 +86,7 @@ class Request:
         adapter_id: int | str | None = None,
         block_hasher: Callable[[Request], list[BlockHash]] | None = None,
         fork_of: str | None = None,
+        extra_eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -108,6 +109,12 @@ class Request:
         self.stop_reason: int | str | None = None
         # None: no cap besides max_model_len.
         self.max_tokens = sampling_params.max_tokens
+        # Ids that end the request besides its EOS: the user's, and (unless ignore_eos) the model's
+        # other EOS ids; either is reported as the stop_reason.
+        stop = set(sampling_params.stop_token_ids)
+        if not sampling_params.ignore_eos:
+            stop.update(extra_eos_token_ids)
+        self.stop_token_ids = frozenset(stop)
         # min(prompt + max_tokens, max_model_len): set by the scheduler when the request is added.
         self.max_total_tokens = 1 << 62
         # Sibling of an n > 1 request: the id of the sample that computes the shared prompt.
@@ -126,14 +133,14 @@ class Request:
         return cls(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
-            sampling_params=sampling_params_from_dict(req.sampling_params),
+            sampling_params=req.sampling_params,
             eos_token_id=req.eos_token_id,
             arrival_time=req.arrival_time,
             priority=req.priority,
             cache_salt=req.cache_salt,
-            adapter_id=getattr(req, "adapter_id", None),
             block_hasher=block_hasher,
             fork_of=req.fork_of,
+            extra_eos_token_ids=req.extra_eos_token_ids,
         )
 
     # ------------------------------------------------------------------ tokens
@@ -175,9 +182,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status > RequestStatus.PREEMPTED
-
-    def get_finish_reason(self) -> FinishReason | None:
-        return _FINISH_REASONS.get(self.status)
 
     def __lt__(self, other: Request) -> bool:
         # Priority-queue order: lower priority value, then earlier arrival, then id.

@@ -1,23 +1,22 @@
 """`AsyncLLM`: the server's frontend engine, in process 0.
 
-It tokenizes and validates (`Processor`), sends `EngineCoreRequest`s to the engine-core
-process over ZeroMQ (`AsyncEngineCoreClient`), and turns the streamed `EngineCoreOutput`s
-back into `RequestOutput`s with incremental detokenization and stop strings
-(`OutputProcessor`). Cancelling a `generate` (client disconnect) aborts the request in the
-core, which frees its blocks.
+Every request goes through the front door (`InputProcessor`: tokenization, the chat template,
+validation, conversion), its `EngineCoreRequest`s go to the engine-core process over ZeroMQ
+(`AsyncEngineCoreClient`), and the streamed `EngineCoreOutput`s come back as `RequestOutput`s with
+incremental detokenization and stop strings (`OutputProcessor`). Cancelling a `generate` (client
+disconnect) aborts the request in the core, which frees its blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 from collections.abc import AsyncIterator
 
 from tokenos.engine.args import EngineArgs, model_name
 from tokenos.engine.core_client import AsyncEngineCoreClient, EngineDeadError, RequestStream
+from tokenos.engine.input_processor import InputProcessor, PromptType
 from tokenos.engine.output_processor import OutputProcessor
-from tokenos.engine.processor import Processor, PromptType
 from tokenos.engine.tokenizer import load_tokenizer
 from tokenos.outputs import RequestOutput
 from tokenos.sampling_params import SamplingParams
@@ -42,7 +41,7 @@ class AsyncLLM:
         )
         self.served_model_name = engine_args.served_model_name or model_name(self.model_config)
         self.tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
-        self.processor = Processor(self.tokenizer, self.model_config)
+        self.input_processor = InputProcessor(self.tokenizer, self.model_config, engine_args.chat_template)
         self.metrics = metrics
         stats_handler = metrics.update_from_engine_stats if metrics is not None else None
         self.client = AsyncEngineCoreClient(
@@ -74,15 +73,12 @@ class AsyncLLM:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream `RequestOutput`s for one request (kind per `sampling_params.output_kind`)."""
-        text, token_ids = self.processor.tokenize_prompt(prompt)
-        params = copy.copy(sampling_params)
-        requests = self.processor.make_requests(
-            request_id, token_ids, params, priority=priority, cache_salt=cache_salt
+        request = self.input_processor.process(
+            request_id, prompt, sampling_params, priority=priority, cache_salt=cache_salt
         )
         processor = OutputProcessor(self.tokenizer, self.metrics)
-        child_ids = [r.request_id for r in requests]
-        processor.add_request(request_id, text, token_ids, params, child_ids)
-        streams = [await self.client.add_request_async(r) for r in requests]
+        processor.add_request(request)
+        streams = [await self.client.add_request_async(r) for r in request.engine_requests]
         try:
             async for out in _merge(streams):
                 ready, to_abort = processor.process_outputs([out])
@@ -99,9 +95,6 @@ class AsyncLLM:
 
     async def abort(self, request_id: str) -> None:
         await self.client.abort_requests_async([request_id])
-
-    async def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
 
     async def reset_prefix_cache(self) -> bool:
         return await self.client.call_utility_async("reset_prefix_cache")

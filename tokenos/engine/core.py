@@ -12,11 +12,11 @@ import time
 from collections.abc import Iterable
 
 from tokenos.core.kv_cache.spec import MambaSpec, get_kv_cache_config
-from tokenos.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from tokenos.core.messages import EngineCoreOutputs, EngineCoreRequest
 from tokenos.core.request import Request, RequestStatus
 from tokenos.core.sched.scheduler import Scheduler
+from tokenos.core.validation import check_prompt_tokens
 from tokenos.engine.args import EngineArgs, model_name
-from tokenos.engine.processor import check_prompt_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -130,8 +130,3 @@ class EngineCore:
             "kv_pool_tokens": self.num_kv_tokens,
             "vocab_size": self.model_config.vocab_size,
         }
-
-
-def abort_output(request_id: str, message: str) -> EngineCoreOutput:
-    """The output that tells the frontend a request ended with an error."""
-    return EngineCoreOutput(request_id, [], finish_reason=int(FinishReason.ABORT), stop_reason=message)

@@ -27,7 +27,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from tokenos.core.outputs import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from tokenos.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from tokenos.engine import core_proc
 from tokenos.engine.core_proc import CoreAddresses, Handshake, RequestRejected, UtilityCall, UtilityResult
 

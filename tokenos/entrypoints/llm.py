@@ -1,7 +1,7 @@
 """The offline API, shaped like vLLM's: `LLM(...).generate(prompts, sampling_params)`.
 
 It drives an in-process `EngineCore` directly (same busy loop as the server's engine-core
-process, no sockets), with the same frontend input and output processing as the server.
+process, no sockets), with the same front door (`InputProcessor`) and output processing as the server.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Any
 
 from tokenos.engine.args import EngineArgs
 from tokenos.engine.core import EngineCore
+from tokenos.engine.input_processor import InputProcessor, ProcessedRequest, Prompt, PromptType
 from tokenos.engine.output_processor import OutputProcessor
-from tokenos.engine.processor import Processor, PromptType
 from tokenos.engine.tokenizer import load_tokenizer
 from tokenos.outputs import RequestOutput
 from tokenos.sampling_params import RequestOutputKind, SamplingParams
@@ -35,7 +35,9 @@ class LLM:
             if self.engine_args.skip_tokenizer_init
             else load_tokenizer(self.engine_args.tokenizer or self.engine_args.model)
         )
-        self.processor = Processor(self.tokenizer, self.model_config)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.model_config, self.engine_args.chat_template
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
         self._num_requests = 0
@@ -55,16 +57,27 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str | dict) or (
+        if isinstance(prompts, str | dict | Prompt) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         prompts = list(prompts)
         params_list = self._params_list(sampling_params, len(prompts))
-        ids = []
-        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-            ids.append(self._add_request(prompt, params, priority[i] if priority else 0))
-        return self._run(ids, use_tqdm)
+        # Every request through the front door before any reaches the engine: one bad prompt fails
+        # the call and leaves nothing half-submitted.
+        requests = [
+            self.input_processor.process(
+                str(next(self._counter)),
+                prompt,
+                params,
+                priority=priority[i] if priority else 0,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True))
+        ]
+        for request in requests:
+            self._add_request(request)
+        return self._run([r.request_id for r in requests], use_tqdm)
 
     def chat(
         self,
@@ -76,18 +89,12 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        template = chat_template or self.engine_args.chat_template
-        prompts = []
-        for conversation in conversations:
-            if not conversation:
-                raise ValueError("A conversation needs at least one message.")
-            text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, chat_template=template
+        prompts = [
+            self.input_processor.render_chat(
+                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt
             )
-            # the template already holds the special tokens (BOS) it needs
-            prompts.append(
-                {"prompt": text, "prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
-            )
+            for conversation in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
@@ -102,22 +109,12 @@ class LLM:
             )
         return params
 
-    def _add_request(self, prompt: PromptType, params: SamplingParams, priority: int) -> str:
-        request_id = str(next(self._counter))
-        text, token_ids = self.processor.tokenize_prompt(prompt)
-        params = _copy_params(params)
-        params.output_kind = RequestOutputKind.FINAL_ONLY
-        if self.tokenizer is None:
-            params.detokenize = False
-        requests = self.processor.make_requests(request_id, token_ids, params, priority=priority)
-        self.output_processor.add_request(
-            request_id, text, token_ids, params, [r.request_id for r in requests]
-        )
-        for req in requests:
-            self.engine.add_request(req)
+    def _add_request(self, request: ProcessedRequest) -> None:
+        self.output_processor.add_request(request)
+        for sample in request.engine_requests:
+            self.engine.add_request(sample)
         self._num_requests += 1
-        self._num_prompt_tokens += len(token_ids) * params.n
-        return request_id
+        self._num_prompt_tokens += len(request.prompt.token_ids) * request.params.n
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
@@ -155,12 +152,6 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
-
-
-def _copy_params(params: SamplingParams) -> SamplingParams:
-    import copy
-
-    return copy.copy(params)
 
 
 def _progress_bar(total: int, use_tqdm: bool):

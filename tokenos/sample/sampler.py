@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenos.core.outputs import TokenLogprobs
+from tokenos.core.sched.output import TokenLogprobs
 from tokenos.sample import ops
 from tokenos.sample.logprobs import compute_prompt_logprobs, gather_logprobs
 from tokenos.sample.metadata import SamplingMetadata

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import torch
 
+from tokenos.core.messages import EngineSamplingParams
 from tokenos.sample.metadata import SamplingMetadata
-from tokenos.sampling_params import SamplingParams
 
 _GREEDY_EPS = 1e-5
 
@@ -51,13 +51,15 @@ class SamplingState:
     def add_request(
         self,
         row: int,
-        params: SamplingParams,
+        params: EngineSamplingParams,
         prompt_token_ids: list[int],
         output_token_ids: list[int],
         eos_token_id: int | None,
+        stop_token_ids: Sequence[int] = (),
     ) -> None:
         """Put a request in `row` (empty or about to be overwritten). `output_token_ids` is what it
-        generated before a preemption; the list is copied, later tokens come via `append_output`."""
+        generated before a preemption; the list is copied, later tokens come via `append_output`.
+        `stop_token_ids` (and the EOS unless ignore_eos) cannot be sampled below min_tokens."""
         self._check_row(row)
         greedy = params.temperature < _GREEDY_EPS
         self.temperature[row] = 1.0 if greedy else params.temperature
@@ -70,7 +72,7 @@ class SamplingState:
         self.occupied[row] = True
         self.is_greedy[row] = greedy
         self.min_tokens[row] = params.min_tokens
-        stop = set(params.stop_token_ids or ()) | set(params.all_stop_token_ids)
+        stop = set(params.stop_token_ids) | set(stop_token_ids)
         if eos_token_id is not None and not params.ignore_eos:
             stop.add(eos_token_id)
         self.stop_ids[row] = sorted(t for t in stop if 0 <= t < self.vocab_size)

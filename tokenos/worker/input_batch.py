@@ -14,8 +14,8 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
+from tokenos.core.messages import EngineSamplingParams
 from tokenos.sample.state import SamplingState
-from tokenos.sampling_params import SamplingParams
 
 
 class BlockTable:
@@ -85,8 +85,9 @@ class InputBatch:
         output_token_ids: Sequence[int],
         num_computed_tokens: int,
         block_ids: Sequence[Sequence[int]],
-        sampling_params: SamplingParams,
+        sampling_params: EngineSamplingParams,
         eos_token_id: int | None = None,
+        stop_token_ids: Sequence[int] = (),
     ) -> int:
         """Give a request the next free row; `output_token_ids` is what it generated before a preemption."""
         if req_id in self.req_id_to_index:
@@ -107,7 +108,7 @@ class InputBatch:
         for table, ids in zip(self.block_tables, block_ids, strict=True):
             table.set_row(row, ids)
         self.sampling.add_request(
-            row, sampling_params, list(prompt_token_ids), list(output_token_ids), eos_token_id
+            row, sampling_params, list(prompt_token_ids), list(output_token_ids), eos_token_id, stop_token_ids
         )
         if sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs[row] = sampling_params.prompt_logprobs

@@ -18,7 +18,7 @@ import torch
 
 from tokenos.config import CacheConfig
 from tokenos.core.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaSpec, cdiv
-from tokenos.core.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenos.core.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenos.layers.attention_metadata import AttentionMetadata, make_attention_metadata
 from tokenos.layers.metadata import ForwardBatch
 from tokenos.layers.recurrent_batch import RecurrentBatch
@@ -94,6 +94,7 @@ class ModelRunner:
                 new.block_ids,
                 new.sampling_params,
                 new.eos_token_id,
+                new.stop_token_ids,
             )
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):

@@ -1,6 +1,6 @@
 """What the worker does each step for recurrent KV-cache groups (MambaSpec), apart from its own internals.
 
-Idea (the scheduler's contract in ``tokenos/core/outputs.py``): a request with ``n`` computed tokens that
+Idea (the scheduler's contract in ``tokenos/core/sched/output.py``): a request with ``n`` computed tokens that
 runs ``k`` new ones keeps its running recurrent state in the page of column ``s = (n + k - 1) // B``
 (``s = 0`` in "none" mode). Each step, per recurrent group:
 

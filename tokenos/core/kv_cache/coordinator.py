@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tokenos.core.kv_cache.block_pool import BlockPool, KVCacheBlock
-from tokenos.core.kv_cache.cow import CopyOnWrite, HitBlocks
+from tokenos.core.kv_cache.cow import CacheHit, CopyOnWrite
 from tokenos.core.kv_cache.fine_prefix import FinePrefixCache
 from tokenos.core.kv_cache.single_type_manager import (
     FullAttentionManager,
@@ -76,10 +76,8 @@ class KVCacheCoordinator:
 
     # ------------------------------------------------------------------ prefix hits
 
-    def find_longest_cache_hit(
-        self, block_hashes: Sequence[BlockHash], max_length: int
-    ) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """(hit blocks per group, hit length in tokens): the longest boundary all groups share."""
+    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> CacheHit:
+        """The longest boundary all groups share (at most ``max_length`` tokens) and its blocks."""
         hit = max_length
         found: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
         while True:
@@ -95,11 +93,11 @@ class KVCacheCoordinator:
             if not changed or hit == 0:
                 break
         if hit == 0:
-            return tuple([] for _ in range(self.num_groups)), 0
+            return CacheHit.miss(self.num_groups)
         # In the final pass every kind returned exactly `hit`, so `found` is consistent.
-        return tuple(found), hit
+        return CacheHit(tuple(found), hit)
 
-    def fork_hit(self, parent_id: str, num_tokens: int) -> HitBlocks:
+    def fork_hit(self, parent_id: str, num_tokens: int) -> CacheHit:
         """Hit blocks for a sibling forked from running request `parent_id` at `num_tokens`.
 
         Attention: the parent's full pages are shared by refcount and its partial page is copied.
@@ -122,27 +120,23 @@ class KVCacheCoordinator:
                     lst = [*lst, own[q]]
                     cow[m.group_id] = q
             blocks.append(lst)
-        return HitBlocks(blocks, cow)
+        return CacheHit(tuple(blocks), num_tokens, cow)
 
     # ------------------------------------------------------------------ allocation
 
-    def get_num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: tuple[list[KVCacheBlock], ...] | None
-    ) -> int:
-        if new_computed_blocks is None:
+    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, hit: CacheHit | None) -> int:
+        if hit is None:
             return sum(m.get_num_blocks_to_allocate(request_id, num_tokens, ()) for m in self.managers)
         need = sum(
             m.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
-            for m, blocks in zip(self.managers, new_computed_blocks, strict=True)
+            for m, blocks in zip(self.managers, hit.blocks, strict=True)
         )
-        return need + self.cow.extra_blocks(new_computed_blocks)
+        return need + self.cow.extra_blocks(hit)
 
-    def save_new_computed_blocks(
-        self, request_id: str, new_computed_blocks: tuple[list[KVCacheBlock], ...]
-    ) -> None:
-        for m, blocks in zip(self.managers, new_computed_blocks, strict=True):
+    def save_new_computed_blocks(self, request_id: str, hit: CacheHit) -> None:
+        for m, blocks in zip(self.managers, hit.blocks, strict=True):
             m.save_new_computed_blocks(request_id, blocks)
-        self.cow.adopt(request_id, new_computed_blocks)
+        self.cow.adopt(request_id, hit)
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
         return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
@@ -198,6 +192,3 @@ class KVCacheCoordinator:
 
     def get_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         return tuple(m.get_block_ids(request_id) for m in self.managers)
-
-    def get_blocks(self, request_id: str) -> tuple[list[KVCacheBlock], ...]:
-        return tuple(m.req_to_blocks.get(request_id, []) for m in self.managers)

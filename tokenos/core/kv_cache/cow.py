@@ -14,6 +14,7 @@ and rewritten before its copy read it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tokenos.core.kv_cache.block_pool import BlockPool, KVCacheBlock
@@ -22,15 +23,18 @@ if TYPE_CHECKING:
     from tokenos.core.kv_cache.single_type_manager import SingleTypeKVCacheManager
 
 
-class HitBlocks(tuple):
-    """Hit blocks per group, plus `cow`: group id -> column whose block is a copy-on-write source."""
+@dataclass(frozen=True)
+class CacheHit:
+    """What a request may resume from: per group its hit blocks, the hit length in tokens, and the
+    columns (group id -> column) whose block is a copy-on-write source rather than the request's own."""
 
-    cow: dict[int, int]
+    blocks: tuple[list[KVCacheBlock], ...]
+    num_tokens: int
+    cow: dict[int, int] = field(default_factory=dict)
 
-    def __new__(cls, blocks, cow: dict[int, int]):
-        self = super().__new__(cls, blocks)
-        self.cow = cow
-        return self
+    @classmethod
+    def miss(cls, num_groups: int) -> CacheHit:
+        return cls(tuple([] for _ in range(num_groups)), 0)
 
 
 class CopyOnWrite:
@@ -41,14 +45,14 @@ class CopyOnWrite:
         self.pending: dict[str, dict[int, tuple[int, int]]] = {}  # copies for the next step
 
     @staticmethod
-    def extra_blocks(new_computed_blocks) -> int:
+    def extra_blocks(hit: CacheHit) -> int:
         """Fresh private pages a hit needs for its copy-on-write columns."""
-        return len(getattr(new_computed_blocks, "cow", ()))
+        return len(hit.cow)
 
-    def adopt(self, request_id: str, new_computed_blocks: tuple[list[KVCacheBlock], ...]) -> None:
+    def adopt(self, request_id: str, hit: CacheHit) -> None:
         """After the managers took the hit: swap each copy-on-write source for a fresh page (the
         source keeps the reference it got) and queue the copy for the request's first step."""
-        cow = getattr(new_computed_blocks, "cow", None)
+        cow = hit.cow
         if not cow:
             return
         copies = self.pending.setdefault(request_id, {})

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 
 from tokenos.core.hashing import exact_prefix_hash
 from tokenos.core.kv_cache.block_pool import BlockPool, KVCacheBlock, group_key
-from tokenos.core.kv_cache.cow import HitBlocks
+from tokenos.core.kv_cache.cow import CacheHit
 from tokenos.core.kv_cache.single_type_manager import (
     FullAttentionManager,
     MambaManager,
@@ -84,7 +84,7 @@ class FinePrefixCache:
 
     # ------------------------------------------------------------------ lookup
 
-    def find(self, request: Request, max_length: int) -> tuple[HitBlocks, int]:
+    def find(self, request: Request, max_length: int) -> CacheHit:
         """The longest checkpoint length <= max_length every group can resume from."""
         hashes = request.block_hashes
         full = {
@@ -102,15 +102,15 @@ class FinePrefixCache:
                     if h <= max_length and exact_prefix_hash(self.hash_fn, request, h, hbs) == key:
                         hit = self._resume_at(h, key, full)
                         if hit is not None:
-                            return hit, h
+                            return hit
             # Any grid point: interval checkpoints, and end checkpoints that fell on the grid.
             if i:
                 hit = self._resume_at(i * hbs, hashes[i - 1], full)
                 if hit is not None:
-                    return hit, i * hbs
-        return HitBlocks([[] for _ in range(self.num_groups)], {}), 0
+                    return hit
+        return CacheHit.miss(self.num_groups)
 
-    def _resume_at(self, h: int, key: BlockHash, full: dict[int, list[KVCacheBlock]]) -> HitBlocks | None:
+    def _resume_at(self, h: int, key: BlockHash, full: dict[int, list[KVCacheBlock]]) -> CacheHit | None:
         blocks: list[list[KVCacheBlock]] = [[] for _ in range(self.num_groups)]
         cow: dict[int, int] = {}
         for m in self.rec:
@@ -134,7 +134,7 @@ class FinePrefixCache:
                 cow[m.group_id] = q
                 lst = [*lst, src]
             blocks[m.group_id] = lst
-        return HitBlocks(blocks, cow)
+        return CacheHit(tuple(blocks), h, cow)
 
     def _partial_page(self, key: BlockHash, group_id: int) -> KVCacheBlock | None:
         b = self.pool.get_cached_block(key, group_id)  # an end-of-request partial page

@@ -1,23 +1,41 @@
-"""The memory manager the scheduler talks to: prefix lookup, slot allocation, freeing.
+"""The memory manager the scheduler talks to: prefix lookup, slot allocation, freeing. The scheduler
+uses only this class's public methods; everything below it (coordinator, managers, pool) is private.
 
 It wraps the coordinator with the request-level rules:
 - the hit is capped at `num_tokens - 1`, so the last token is always computed (its logits are
   needed) and a full hit never leaves a zero-length step;
 - requests asking for prompt logprobs skip the lookup (every prompt position must be computed);
 - `allocate_slots` is all-or-nothing: it checks the free-block count for the whole need
-  (optionally a larger reservation, e.g. the whole prompt at admission) before touching the pool.
+  (optionally a larger reservation, e.g. the whole prompt at admission) before touching the pool,
+  and says which with a typed `Allocation`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tokenos.core.hashing import get_hash_fn, make_block_hasher
-from tokenos.core.kv_cache.block_pool import KVCacheBlock
 from tokenos.core.kv_cache.coordinator import KVCacheCoordinator
+from tokenos.core.kv_cache.cow import CacheHit
 from tokenos.core.kv_cache.fine_prefix import FinePrefixCache
 from tokenos.core.kv_cache.spec import KVCacheConfig
 from tokenos.core.request import Request
 
-NO_NEW_BLOCKS: tuple = ()
+# One list of block ids per KV-cache group, in group order.
+BlockIds = tuple[list[int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """The outcome of `allocate_slots`: ``ok`` False means the pool was short and nothing changed;
+    ``new_block_ids`` are the blocks appended to each group (None: none)."""
+
+    ok: bool
+    new_block_ids: BlockIds | None = None
+
+
+NO_NEW_BLOCKS = Allocation(ok=True)
+OUT_OF_BLOCKS = Allocation(ok=False)
 
 
 class KVCacheManager:
@@ -41,7 +59,8 @@ class KVCacheManager:
         self.has_recurrent_caching = self.enable_caching and bool(self.coordinator.recurrent)
         self.has_recurrent = bool(self.coordinator.recurrent)
         self.has_skipping = bool(self.coordinator.skippers)
-        self.empty_blocks: tuple[list[KVCacheBlock], ...] = tuple([] for _ in range(self.num_groups))
+        self.cow = self.coordinator.cow
+        self.miss = CacheHit.miss(self.num_groups)
         # request id -> token count reachable without allocating or publishing (fast path).
         self._horizon: dict[str, int] = {}
         # Cumulative prefix-cache counters, in tokens.
@@ -65,57 +84,49 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.get_usage()
 
-    def get_computed_blocks(self, request: Request) -> tuple[tuple[list[KVCacheBlock], ...], int]:
-        """Cached blocks per group for the request's longest usable prefix, and its length."""
+    def get_computed_blocks(self, request: Request) -> CacheHit:
+        """The request's longest usable prefix hit (a miss of 0 tokens when there is none)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return self.empty_blocks, 0
+            return self.miss
         max_length = request.num_tokens - 1
         if self.fine is not None:
-            blocks, hit = self.fine.find(request, max_length)
+            hit = self.fine.find(request, max_length)
         else:
-            blocks, hit = self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
+            hit = self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
         self.prefix_cache_queries += request.num_tokens
-        self.prefix_cache_hits += hit
-        return blocks, hit
+        self.prefix_cache_hits += hit.num_tokens
+        return hit
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: tuple[list[KVCacheBlock], ...] | None = None,
+        hit: CacheHit | None = None,
         num_tokens_to_reserve: int = 0,
-    ) -> tuple[list[int], ...] | None:
-        """Blocks for `num_new_tokens` more tokens after the computed ones (and the hit).
-
-        Returns the ids of blocks appended to each group (`NO_NEW_BLOCKS`, falsy, when none),
-        or None when the pool cannot supply max(need, reservation) blocks; then nothing changed.
-        """
+    ) -> Allocation:
+        """Blocks for `num_new_tokens` more tokens after the computed ones (and, for a request being
+        admitted, after its `hit`, which it takes). Not ok when the pool cannot supply
+        max(need, reservation) blocks; then nothing changed."""
         rid = request.request_id
-        num_tokens = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_hit = 0 if hit is None else hit.num_tokens
+        num_tokens = request.num_computed_tokens + num_hit + num_new_tokens
         # Fast path (most decode steps): every group already has the pages for `num_tokens`
         # and no block becomes full, so nothing to allocate or publish.
-        if (
-            num_tokens <= self._horizon.get(rid, -1)
-            and not num_tokens_to_reserve
-            and new_computed_blocks is None
-        ):
+        if num_tokens <= self._horizon.get(rid, -1) and not num_tokens_to_reserve and hit is None:
             return NO_NEW_BLOCKS
         coord = self.coordinator
-        need = coord.get_num_blocks_to_allocate(
-            rid, max(num_tokens, num_tokens_to_reserve), new_computed_blocks
-        )
+        need = coord.get_num_blocks_to_allocate(rid, max(num_tokens, num_tokens_to_reserve), hit)
         if need > self.block_pool.free_block_queue.num_free_blocks:
-            return None
-        if new_computed_blocks is not None and num_new_computed_tokens:
-            coord.save_new_computed_blocks(rid, new_computed_blocks)
+            return OUT_OF_BLOCKS
+        if hit is not None and num_hit:
+            coord.save_new_computed_blocks(rid, hit)
         new = coord.allocate_new_blocks(rid, num_tokens)
         if self.enable_caching:
             coord.cache_blocks(request, num_tokens)
         self._horizon[rid] = coord.token_horizon(rid)
         for blocks in new:
             if blocks:
-                return tuple([b.block_id for b in blks] for blks in new)
+                return Allocation(ok=True, new_block_ids=tuple([b.block_id for b in blks] for blks in new))
         return NO_NEW_BLOCKS
 
     def remove_skipped_blocks(self, request: Request) -> tuple[list[int], ...] | None:
@@ -124,10 +135,6 @@ class KVCacheManager:
             return None
         return self.coordinator.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
 
-    def cache_recurrent_blocks(self, request: Request) -> None:
-        if self.has_recurrent_caching:
-            self.coordinator.cache_recurrent_blocks(request)
-
     def state_copies(self, num_computed_tokens: int, num_tokens: int) -> dict[int, tuple[int, int]] | None:
         if not self.has_recurrent:
             return None
@@ -135,16 +142,20 @@ class KVCacheManager:
 
     def take_prefix_page_copies(self, request: Request) -> dict[int, tuple[int, int]] | None:
         """Copy-on-write copies the request's hit (prefix or fork) needs before its first step."""
-        return self.coordinator.cow.take_copies(request.request_id)
+        return self.cow.take_copies(request.request_id)
 
-    def release_copy_sources(self, request: Request) -> None:
-        """The request's first step ran: its copy-on-write sources are no longer needed."""
-        self.coordinator.cow.release(request.request_id)
+    def after_step(self, request: Request) -> None:
+        """A step of the request has run: publish the recurrent checkpoints it reached, and give back
+        the copy-on-write sources its first step copied."""
+        if self.has_recurrent_caching:
+            self.coordinator.cache_recurrent_blocks(request)
+        if self.cow.borrowed:
+            self.cow.release(request.request_id)
 
-    def fork_blocks(self, parent: Request, fork_point: int) -> tuple[tuple[list[KVCacheBlock], ...], int]:
+    def fork_hit(self, parent: Request, fork_point: int) -> CacheHit:
         """A sibling's hit on its running parent's pages after `fork_point` tokens (see
         `KVCacheCoordinator.fork_hit`); the parent must not have advanced past the fork point."""
-        return self.coordinator.fork_hit(parent.request_id, fork_point), fork_point
+        return self.coordinator.fork_hit(parent.request_id, fork_point)
 
     def free(self, request: Request) -> None:
         """Give back a request that finished, was aborted or preempted between steps: every step

@@ -15,7 +15,7 @@ hold the null block, so block-table indices mean the same thing in every group.
   keeps the running column plus the previous one; "all" allocates every column a step crosses
   (the worker writes a checkpoint into each) and then, once they are published, frees all but
   the previous and running ones into the evictable cache; "none" keeps a single page at column 0
-  and never caches. See `tokenos.core.outputs` for the worker's rules.
+  and never caches. See `tokenos.core.sched.output` for the worker's rules.
 """
 
 from __future__ import annotations

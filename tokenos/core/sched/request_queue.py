@@ -73,7 +73,10 @@ class PriorityRequestQueue:
         return iter(sorted(self._heap))
 
 
-def create_request_queue(policy: str) -> FCFSRequestQueue | PriorityRequestQueue:
+RequestQueue = FCFSRequestQueue | PriorityRequestQueue
+
+
+def create_request_queue(policy: str) -> RequestQueue:
     if policy == "fcfs":
         return FCFSRequestQueue()
     if policy == "priority":

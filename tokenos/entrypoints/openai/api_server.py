@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenos
+from tokenos.core.validation import InvalidRequestError
 from tokenos.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -42,14 +43,6 @@ from tokenos.entrypoints.openai.serving_engine import ClientDisconnected
 logger = logging.getLogger("tokenos.server")
 
 HEALTH_POLL_S = 1.0
-
-
-def resolve_chat_template(template: str | None) -> str | None:
-    """`--chat-template` is a file path or the template itself."""
-    if template and os.path.isfile(template):
-        with open(template) as f:
-            return f.read()
-    return template
 
 
 def served_model_names(engine: Any, args: argparse.Namespace) -> list[str]:
@@ -76,7 +69,7 @@ def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
     app = FastAPI(title="tokenos", version=tokenos.__version__)
     names = served_model_names(engine, args)
     completion = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names, resolve_chat_template(getattr(args, "chat_template", None)))
+    chat = OpenAIServingChat(engine, names)
     _add_error_handlers(app)
     _add_api_key_check(app, getattr(args, "api_key", None))
 
@@ -119,16 +112,16 @@ def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("Give exactly one of `prompt` and `messages`.", param="prompt")
         if request.messages is not None:
-            tokens = chat.render_prompt(request)
+            tokens = chat.render_prompt(request).token_ids
         else:
-            tokens = engine.tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            add_special = request.add_special_tokens
+            tokens = engine.input_processor.encode(request.prompt, add_special_tokens=add_special)
         return {"count": len(tokens), "max_model_len": completion.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> dict:
         completion.check_model(request.model)
-        completion.check_token_ids(request.tokens, "tokens")
-        return {"prompt": engine.tokenizer.decode(request.tokens, skip_special_tokens=False)}
+        return {"prompt": engine.input_processor.decode(request.tokens)}
 
     return app
 
@@ -147,6 +140,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, exc: OpenAIError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return error_response(OpenAIError(exc.message, param=exc.param))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -4,16 +4,19 @@ Requests are strict pydantic models: a field of the wrong type ("0.5" for a floa
 int) is rejected rather than coerced, and range rules (temperature >= 0, top_p in (0, 1], n >= 1,
 max_tokens >= 1, non-empty messages, ...) live on the fields, so a violation names its `param`.
 The server answers every violation with 400 and an OpenAI-style body (`ErrorResponse`).
-`to_sampling_params(max_model_len, prompt_len)` is the one place a request becomes engine
-parameters; it also rejects prompt + max_tokens beyond the model's context.
-Unknown fields are ignored (clients send extras), as vLLM does.
+`to_sampling_params()` is the one place a request becomes engine parameters; the front door
+(`tokenos.engine.input_processor`) then checks it against the model.
+Unknown fields are ignored (clients send extras), as vLLM does, EXCEPT fields that name a feature
+tokenos does not implement yet (structured output, tools, logits processors, best_of > n, ...): those
+are refused with 400 (`reject_unsupported`), because ignoring them would silently change what the
+client gets.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -76,8 +79,55 @@ class StreamOptions(StrictModel):
     continuous_usage_stats: bool = False
 
 
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _no_tools(value: Any) -> bool:
+    return value is None or value == []
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type") == "text")
+
+
+def _no_tool_choice(value: Any) -> bool:
+    return value is None or value == "none"
+
+
+# Request fields that would change what the user gets, refused until tokenos implements them: field ->
+# (accepted when, what to say). Everything else unknown is ignored, as vLLM does.
+_UNSUPPORTED_SAMPLING = {
+    "response_format": (_text_format, "structured output (response_format) is not supported yet"),
+    "structured_outputs": (_unset, "structured output is not supported yet"),
+    "guided_json": (_unset, "guided decoding (guided_json) is not supported yet"),
+    "guided_regex": (_unset, "guided decoding (guided_regex) is not supported yet"),
+    "guided_choice": (_unset, "guided decoding (guided_choice) is not supported yet"),
+    "guided_grammar": (_unset, "guided decoding (guided_grammar) is not supported yet"),
+    "guided_decoding_backend": (_unset, "guided decoding is not supported yet"),
+    "guided_whitespace_pattern": (_unset, "guided decoding is not supported yet"),
+    "logits_processors": (_unset, "logits_processors are not supported"),
+    "allowed_token_ids": (_unset, "allowed_token_ids is not supported yet"),
+    "bad_words": (_unset, "bad_words is not supported yet"),
+    "prompt_logprobs": (_unset, "prompt_logprobs over HTTP is not supported yet"),
+    "truncate_prompt_tokens": (_unset, "truncate_prompt_tokens is not supported yet"),
+}
+_UNSUPPORTED_CHAT = {
+    "tools": (_no_tools, "tool calling (tools) is not supported yet"),
+    "tool_choice": (_no_tool_choice, "tool calling (tool_choice) is not supported yet"),
+    "functions": (_no_tools, "function calling is not supported yet"),
+    "function_call": (_no_tool_choice, "function calling is not supported yet"),
+    "documents": (_unset, "documents are not supported yet"),
+    "continue_final_message": (lambda v: not v, "continue_final_message is not supported yet"),
+}
+
+
 class SamplingFields(StrictModel):
     """Fields both endpoints share: OpenAI's sampling knobs plus vLLM's extras."""
+
+    # Unknown fields are kept (not validated) so that the unsupported ones can be refused by name.
+    model_config = ConfigDict(strict=True, extra="allow")
+    unsupported: ClassVar[dict[str, tuple[Any, str]]] = _UNSUPPORTED_SAMPLING
 
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
@@ -104,25 +154,26 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
-    def _requested_max_tokens(self) -> int | None:
+    def requested_max_tokens(self) -> int | None:
         raise NotImplementedError
 
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
 
-    def to_sampling_params(self, max_model_len: int, prompt_len: int) -> SamplingParams:
-        """Engine parameters for this request; OpenAIError(400) when it cannot fit the context."""
-        max_tokens = self._requested_max_tokens()
-        room = max_model_len - prompt_len
-        if max_tokens is None:
-            max_tokens = room
-        elif max_tokens > room:
-            raise OpenAIError(
-                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
-                "completion). Please reduce the length of the prompt or the completion.",
-                param="max_tokens",
-            )
+    def reject_unsupported(self) -> None:
+        """400 for a field naming a feature tokenos does not implement (see ``_UNSUPPORTED_*``)."""
+        extra = self.model_extra or {}
+        for name, (accepted, what) in self.unsupported.items():
+            if name in extra and not accepted(extra[name]):
+                raise OpenAIError(f"{what}: remove `{name}` from the request.", param=name)
+        best_of = extra.get("best_of")
+        if best_of is not None and best_of != self.n:
+            raise OpenAIError("best_of other than n is not supported yet.", param="best_of")
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Engine parameters for this request (max_tokens None: up to the context length)."""
+        self.reject_unsupported()
+        max_tokens = self.requested_max_tokens()
         try:
             return SamplingParams(
                 n=self.n,
@@ -170,7 +221,7 @@ class CompletionRequest(SamplingFields):
     logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
     echo: bool = False
 
-    def _requested_max_tokens(self) -> int | None:
+    def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
     def _num_logprobs(self) -> int | None:
@@ -209,15 +260,21 @@ class ChatMessage(StrictModel):
 
 
 class ChatCompletionRequest(SamplingFields):
+    unsupported: ClassVar[dict[str, tuple[Any, str]]] = {**_UNSUPPORTED_SAMPLING, **_UNSUPPORTED_CHAT}
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: MaxTokens = None  # deprecated by OpenAI in favour of max_completion_tokens
     max_completion_tokens: MaxTokens = None
     logprobs: bool = False
     top_logprobs: NumTopLogprobs = None
     chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
 
-    def _requested_max_tokens(self) -> int | None:
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template_dict() for m in self.messages]
+
+    def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def _num_logprobs(self) -> int | None:
@@ -232,6 +289,11 @@ class TokenizeRequest(StrictModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.to_template_dict() for m in self.messages or []]
 
 
 class DetokenizeRequest(StrictModel):

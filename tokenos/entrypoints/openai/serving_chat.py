@@ -1,9 +1,10 @@
 """POST /v1/chat/completions: messages -> chat template -> one prompt, n samples.
 
-The template is the request's `chat_template`, else the server's `--chat-template`, else the
-tokenizer's own; the rendered text is tokenized without adding special tokens (the template
-writes its own BOS). Streaming sends, per choice, a first chunk with the assistant role, then
-content deltas, then one with the finish reason; usage comes last when asked for.
+The front door renders the conversation (`InputProcessor.render_chat`): the request's
+`chat_template`, else the server's `--chat-template`, else the tokenizer's own; the rendered text is
+tokenized without adding special tokens (the template writes its own BOS). Streaming sends, per choice,
+a first chunk with the assistant role, then content deltas, then one with the finish reason; usage
+comes last when asked for.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tokenos.engine.input_processor import Prompt
 from tokenos.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -22,6 +24,7 @@ from tokenos.entrypoints.openai.protocol import (
     ChatStreamChoice,
     DeltaMessage,
     OpenAIError,
+    TokenizeRequest,
     TokenLogprob,
     TopLogprob,
     random_id,
@@ -39,25 +42,14 @@ from tokenos.entrypoints.openai.serving_engine import (
 
 
 class OpenAIServingChat(OpenAIServing):
-    def __init__(self, engine: Any, served_model_names: list[str], chat_template: str | None = None) -> None:
-        super().__init__(engine, served_model_names)
-        self.chat_template = chat_template
-
-    def render_prompt(self, request: Any) -> list[int]:
-        """The token ids of the templated conversation; 400 when the template cannot render it."""
-        messages = [m.to_template_dict() for m in request.messages]
-        template = getattr(request, "chat_template", None) or self.chat_template
-        try:
-            return list(
-                self.tokenizer.apply_chat_template(
-                    messages,
-                    add_generation_prompt=request.add_generation_prompt,
-                    chat_template=template,
-                    tokenize=True,
-                )
-            )
-        except Exception as e:  # jinja errors, a missing template: the request (or its template) is at fault
-            raise OpenAIError(f"Cannot apply the chat template: {e}", param="messages") from e
+    def render_prompt(self, request: ChatCompletionRequest | TokenizeRequest) -> Prompt:
+        """The templated conversation (text and ids); 400 when the template cannot render it."""
+        return self.input_processor.render_chat(
+            request.template_messages(),
+            chat_template=request.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            **(request.chat_template_kwargs or {}),
+        )
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Any = None
@@ -65,20 +57,18 @@ class OpenAIServingChat(OpenAIServing):
         """The response, or (stream=true) an iterator of SSE lines; raises OpenAIError."""
         model = self.check_model(request.model)
         self.check_engine()
-        self.check_logit_bias(request)
-        token_ids = self.render_prompt(request)
-        self.check_prompt(token_ids, "messages")
-        params = request.to_sampling_params(self.max_model_len, len(token_ids))
+        params = request.to_sampling_params()
+        prompt = self.render_prompt(request)
+        door = self.input_processor
+        door.check_prompt(prompt.token_ids, "messages")
+        door.check_context(len(prompt.token_ids), params.max_tokens)
+        door.check_params(params)
         request_id = random_id("chatcmpl")
         generator = self.engine.generate(
-            {"prompt_token_ids": token_ids},
-            params,
-            request_id,
-            priority=request.priority,
-            cache_salt=request.cache_salt,
+            prompt, params, request_id, priority=request.priority, cache_salt=request.cache_salt
         )
         is_disconnected = raw_request.is_disconnected if raw_request is not None else None
-        run = _ChatRun(request_id, model, request, len(token_ids))
+        run = _ChatRun(request_id, model, request, len(prompt.token_ids))
         if request.stream:
             return self._stream(run, generator, is_disconnected)
         return await self._complete(run, generator, is_disconnected)

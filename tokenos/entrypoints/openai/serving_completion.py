@@ -1,8 +1,8 @@
 """POST /v1/completions: one or several prompts (text or token ids), n samples each.
 
 Prompt `i`'s sample `j` is choice `i * n + j`, as in OpenAI's API. Prompts are tokenized and
-checked here, so a prompt that cannot fit fails with 400 before anything reaches the engine;
-the engine gets token ids (plus the text, for its outputs). Non-streaming requests ask the
+checked by the front door before anything is generated, so a prompt that cannot fit fails with 400
+before anything reaches the engine; the engine gets the tokenized prompts. Non-streaming requests ask the
 engine for final outputs only; streaming ones for deltas, sent as SSE chunks.
 """
 
@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from tokenos.engine.input_processor import Prompt
 from tokenos.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -29,7 +30,6 @@ from tokenos.entrypoints.openai.serving_engine import (
     merge_outputs,
     sse,
 )
-from tokenos.sampling_params import SamplingParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -39,32 +39,32 @@ class OpenAIServingCompletion(OpenAIServing):
         """The response, or (stream=true) an iterator of SSE lines; raises OpenAIError."""
         model = self.check_model(request.model)
         self.check_engine()
-        self.check_logit_bias(request)
-        prompts = [self._tokenize(p) for p in request.prompts()]
-        for _, token_ids in prompts:
-            self.check_prompt(token_ids, "prompt")
-        params = [request.to_sampling_params(self.max_model_len, len(ids)) for _, ids in prompts]
+        params = request.to_sampling_params()
+        prompts = [self._tokenize(p, request.echo) for p in request.prompts()]
+        door = self.input_processor
+        for prompt in prompts:
+            door.check_prompt(prompt.token_ids)
+            door.check_context(len(prompt.token_ids), params.max_tokens)
+        door.check_params(params)
         base_id = random_id("cmpl")
-        run = _Run(base_id, model, request, prompts, params)
+        run = _Run(base_id, model, request, prompts, params.n)
         generators = [
             self.engine.generate(
-                {"prompt": text, "prompt_token_ids": ids},
-                p,
-                rid,
-                priority=request.priority,
-                cache_salt=request.cache_salt,
+                prompt, params, rid, priority=request.priority, cache_salt=request.cache_salt
             )
-            for (text, ids), p, rid in zip(prompts, params, run.request_ids, strict=True)
+            for prompt, rid in zip(prompts, run.request_ids, strict=True)
         ]
         is_disconnected = raw_request.is_disconnected if raw_request is not None else None
         if request.stream:
             return self._stream(run, generators, is_disconnected)
         return await self._complete(run, generators, is_disconnected)
 
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str, list[int]]:
+    def _tokenize(self, prompt: str | list[int], echo: bool) -> Prompt:
+        """Text is encoded; token ids are kept, and decoded (ids checked first) when echoed."""
+        door = self.input_processor
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        return self.tokenizer.decode(prompt, skip_special_tokens=False), list(prompt)
+            return door.tokenize_prompt(prompt)
+        return Prompt(list(prompt), door.decode(list(prompt), param="prompt") if echo else None)
 
     async def _complete(self, run: _Run, generators: list, is_disconnected) -> CompletionResponse:
         finals: dict[int, Any] = {}
@@ -161,14 +161,14 @@ class _Run:
         base_id: str,
         model: str,
         request: CompletionRequest,
-        prompts: list[tuple[str, list[int]]],
-        params: list[SamplingParams],
+        prompts: list[Prompt],
+        n: int,
     ) -> None:
         self.id = base_id
         self.model = model
         self.request = request
         self.prompts = prompts
-        self.n = params[0].n
+        self.n = n
         self.created = int(time.time())
         self.request_ids = [f"{base_id}-{i}" for i in range(len(prompts))]
         self.finished: set[str] = set()
@@ -177,8 +177,8 @@ class _Run:
         self.text_offsets: dict[tuple[int, int], int] = {}
 
     def prompt_text(self, i: int) -> str:
-        return self.prompts[i][0]
+        return self.prompts[i].text or ""
 
     def usage(self):
-        prompt_tokens = sum(len(ids) for _, ids in self.prompts)
+        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
         return make_usage(prompt_tokens, self.completion_tokens, self.cached_tokens)

@@ -1,7 +1,9 @@
-"""What the completion and chat endpoints share: model check, prompt checks, streaming plumbing.
+"""What the completion and chat endpoints share: the model check, error mapping, streaming plumbing.
 
-The engine is anything with the `AsyncLLM` surface (`generate`, `abort`, `tokenizer`,
-`model_config`). A request's outputs are consumed through `merge_outputs`, which interleaves
+The engine is anything with the `AsyncLLM` surface (`generate`, `abort`, `input_processor`,
+`tokenizer`, `model_config`). Tokenization, chat templates and request validation are the front
+door's (`engine.input_processor`); its `InvalidRequestError`s become 400s naming their `param`.
+A request's outputs are consumed through `merge_outputs`, which interleaves
 several prompts' streams and polls the HTTP connection: when the client goes away, pending
 generations are cancelled (cancelling `generate` aborts it in the engine core), and the endpoint
 also calls `engine.abort` for every request that did not finish.
@@ -16,8 +18,9 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from tokenos.core.validation import InvalidRequestError
 from tokenos.engine.core_client import EngineDeadError
-from tokenos.entrypoints.openai.protocol import OpenAIError, SamplingFields, UsageInfo
+from tokenos.entrypoints.openai.protocol import OpenAIError, UsageInfo
 
 DISCONNECT_POLL_S = 0.5
 # JSON has no -inf: logprobs of impossible tokens are reported as this, as vLLM does.
@@ -47,6 +50,8 @@ def engine_error(e: BaseException) -> OpenAIError:
         return e
     if isinstance(e, EngineDeadError):
         return OpenAIError(f"The engine is dead: {e}", status=503, code="engine_dead")
+    if isinstance(e, InvalidRequestError):
+        return OpenAIError(e.message, param=e.param)
     if isinstance(e, ValueError):
         return OpenAIError(str(e))
     return OpenAIError(f"Internal error: {type(e).__name__}: {e}", status=500)
@@ -88,11 +93,14 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_model_len: int = engine.model_config.max_model_len
-        self.vocab_size: int | None = getattr(engine.model_config, "vocab_size", None)
 
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def input_processor(self) -> Any:
+        return self.engine.input_processor
 
     def check_model(self, model: str | None) -> str:
         """The name to answer with; 404 for a model this server does not serve."""
@@ -108,37 +116,6 @@ class OpenAIServing:
     def check_engine(self) -> None:
         if getattr(self.engine, "errored", False):
             raise engine_error(self.engine.dead_error or EngineDeadError("the engine core is not running"))
-
-    def check_prompt(self, token_ids: list[int], param: str) -> None:
-        """400 for a prompt that is empty, has unknown token ids, or leaves no room to generate."""
-        if not token_ids:
-            raise OpenAIError("The prompt is empty: give at least one token.", param=param)
-        if len(token_ids) >= self.max_model_len:
-            raise OpenAIError(
-                f"This model's maximum context length is {self.max_model_len} tokens, but the prompt has "
-                f"{len(token_ids)} tokens (one position must be left to generate). Please shorten it.",
-                param=param,
-            )
-        self.check_token_ids(token_ids, param)
-
-    def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        if self.vocab_size is None:
-            return
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise OpenAIError(
-                f"Token id {bad} is outside the vocabulary [0, {self.vocab_size}).", param=param
-            )
-
-    def check_logit_bias(self, request: SamplingFields) -> None:
-        if self.vocab_size is None or not request.logit_bias:
-            return
-        for token in request.logit_bias:
-            if not token.lstrip("-").isdigit() or not 0 <= int(token) < self.vocab_size:
-                raise OpenAIError(
-                    f"logit_bias key {token!r} is not a token id in [0, {self.vocab_size}).",
-                    param="logit_bias",
-                )
 
     def decode_token(self, token_id: int, decoded: str | None) -> str:
         return (

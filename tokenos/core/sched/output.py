@@ -1,9 +1,8 @@
-"""The messages that cross the scheduler / worker / frontend boundaries.
+"""One step between the scheduler and the worker: `SchedulerOutput` down, `ModelRunnerOutput` back up.
 
-Pure Python. `SchedulerOutput` is what the scheduler decides for one step (tokens per
-request plus new block ids per KV-cache group); `ModelRunnerOutput` is what the worker
-computed; `EngineCoreOutput` is what goes back to the frontend per request. The engine
-messages are msgspec Structs so they cross the ZeroMQ boundary as msgpack unchanged.
+Pure Python. `SchedulerOutput` is what the scheduler decides for one step (tokens per request plus new
+block ids per KV-cache group); `ModelRunnerOutput` is what the worker computed. (What crosses between the
+frontend and the engine core is in `tokenos.core.messages`.)
 
 How the worker reads a SchedulerOutput (the scheduler's contract; follow it literally)
 ---------------------------------------------------------------------------------------
@@ -61,24 +60,12 @@ the step, like every copy.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
-import msgspec
-
-from tokenos.sampling_params import SamplingParams
+from tokenos.core.messages import EngineSamplingParams
 
 # One list of block ids per KV-cache group, in group order.
 BlockIds = tuple[list[int], ...]
-
-
-class FinishReason(enum.IntEnum):
-    STOP = 0  # EOS, a stop token id or a stop string
-    LENGTH = 1  # max_tokens or max_model_len
-    ABORT = 2  # client went away, or an error
-
-    def __str__(self) -> str:
-        return ("stop", "length", "abort")[self.value]
 
 
 # ---------------------------------------------------------------- scheduler -> worker
@@ -90,13 +77,15 @@ class NewRequestData:
 
     req_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: EngineSamplingParams
     block_ids: BlockIds
     num_computed_tokens: int  # tokens already in the cache (prefix hit or resumed checkpoint)
     # Tokens already generated before a preemption; the worker appends them after the prompt.
     output_token_ids: list[int] = field(default_factory=list)
-    # The tokenizer's EOS (None: none, or ignore_eos); the sampler bans it below min_tokens.
+    # Every id that ends the request (EOS, the config's other EOS ids, the user's stop ids): the
+    # sampler forbids them below min_tokens.
     eos_token_id: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -153,56 +142,3 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None] | None = None  # per request, per sampled token
     # req_id -> logprobs of prompt positions computed this step (position i scores token i+1).
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
-
-
-# ---------------------------------------------------------------- frontend <-> engine core
-
-
-class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: dict  # SamplingParams as a dict (see sampling_params_to_dict)
-    eos_token_id: int | None = None
-    arrival_time: float = 0.0
-    priority: int = 0
-    cache_salt: str | None = None
-    # n > 1: the samples after the first name the first one; the scheduler forks them from it
-    # once it has computed the shared prompt (see Scheduler, "Forks").
-    fork_of: str | None = None
-
-
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    request_id: str
-    new_token_ids: list[int]
-    # Per new token: [ids, logprobs, rank] with ids[0] the chosen token.
-    new_logprobs: list[tuple[list[int], list[float], int]] | None = None
-    prompt_logprobs: list[tuple[list[int], list[float], int] | None] | None = None
-    finish_reason: int | None = None  # FinishReason value
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
-    outputs: list[EngineCoreOutput] = []
-    timestamp: float = 0.0
-    # Per-step counters the frontend aggregates into metrics.
-    stats: dict | None = None
-
-
-def sampling_params_to_dict(params: SamplingParams) -> dict:
-    d = {k: v for k, v in params.__dict__.items() if k != "all_stop_token_ids"}
-    d["output_kind"] = int(params.output_kind)
-    if params.logit_bias:
-        d["logit_bias"] = {str(k): v for k, v in params.logit_bias.items()}
-    return d
-
-
-def sampling_params_from_dict(d: dict) -> SamplingParams:
-    d = dict(d)
-    if d.get("logit_bias"):
-        d["logit_bias"] = {int(k): v for k, v in d["logit_bias"].items()}
-    return SamplingParams(**d)

@@ -1,0 +1,230 @@
+"""The front door: every request enters the engine here, whether it came from `LLM`, `AsyncLLM` or HTTP.
+
+`InputProcessor` owns the tokenizer side of a request and nothing else does:
+- text -> token ids (`encode`, `tokenize_prompt`) and ids -> text (`decode`, ids checked first);
+- the ONE chat-template path (`render_chat`): render the conversation to text with the request's
+  template, else the engine's ``--chat-template``, else the tokenizer's own, then encode it without
+  special tokens (the template writes its own BOS); `LLM.chat`, ``/v1/chat/completions`` and
+  ``/tokenize`` all use it;
+- validation against the model, with one set of messages (`check_prompt`, `check_params`,
+  `check_context`), raising `InvalidRequestError` whose ``param`` names the field at fault;
+- conversion (`process`): a user's `SamplingParams` becomes the typed `EngineCoreRequest`s of its n
+  samples. Samples 1..n-1 carry ``fork_of`` = sample 0, so the scheduler computes the prompt once and
+  forks them from sample 0 (attention pages shared by refcount, recurrent state copied); sample i gets
+  seed + i.
+
+The engine core checks prompts again with the same functions (`tokenos.core.validation`), so both
+processes speak with one voice.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from tokenos.core.messages import EngineCoreRequest, EngineSamplingParams
+from tokenos.core.validation import InvalidRequestError, check_prompt_tokens, check_token_ids
+from tokenos.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt as the engine runs it: its token ids, and its text when there is one."""
+
+    token_ids: list[int]
+    text: str | None = None
+
+
+# What users may pass as a prompt: text, token ids, {"prompt": ...} / {"prompt_token_ids": ...}, a Prompt.
+PromptType = str | list[int] | dict[str, Any] | Prompt
+
+
+@dataclass
+class ProcessedRequest:
+    """A request through the front door: the frontend's own copy of its parameters (stop strings,
+    output kind, detokenization) and the engine-core requests of its samples."""
+
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    engine_requests: list[EngineCoreRequest]
+
+    @property
+    def sample_ids(self) -> list[str]:
+        return [r.request_id for r in self.engine_requests]
+
+
+def sample_request_id(index: int, parent_id: str) -> str:
+    """The engine-core id of sample ``index`` of an n > 1 request."""
+    return f"{index}_{parent_id}"
+
+
+def resolve_chat_template(template: str | None) -> str | None:
+    """``--chat-template`` is a file path or the template itself."""
+    if template and os.path.isfile(template):
+        with open(template) as f:
+            return f.read()
+    return template
+
+
+def engine_sampling_params(params: SamplingParams, seed: int | None) -> EngineSamplingParams:
+    """What the engine core needs of ``params`` (token-level rules only), with sample's ``seed``."""
+    return EngineSamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        seed=seed,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        repetition_penalty=params.repetition_penalty,
+        logit_bias=dict(params.logit_bias) if params.logit_bias else None,
+        max_tokens=params.max_tokens,
+        min_tokens=params.min_tokens,
+        stop_token_ids=list(params.stop_token_ids),
+        ignore_eos=params.ignore_eos,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+    )
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, model_config: Any, chat_template: str | None = None) -> None:
+        """``tokenizer`` may be None (``skip_tokenizer_init``: token-id prompts only); ``model_config``
+        gives ``max_model_len``, ``vocab_size`` and ``eos_token_ids``."""
+        self.tokenizer = tokenizer
+        self.max_model_len: int = model_config.max_model_len
+        self.vocab_size: int = model_config.vocab_size
+        config_eos = list(getattr(model_config, "eos_token_ids", None) or ())
+        self.eos_token_id: int | None = getattr(tokenizer, "eos_token_id", None)
+        if self.eos_token_id is None and config_eos:
+            self.eos_token_id = config_eos[0]
+        self.extra_eos_token_ids = sorted(set(config_eos) - {self.eos_token_id})
+        self.chat_template = resolve_chat_template(chat_template)
+
+    # ------------------------------------------------------------ text
+
+    def _require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "This engine was started with skip_tokenizer_init: give prompt_token_ids, not text.", "prompt"
+            )
+        return self.tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        tokenizer = self._require_tokenizer()
+        try:
+            return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except UnicodeEncodeError as e:  # a lone surrogate, from JSON escapes
+            raise InvalidRequestError(f"The text is not valid Unicode: {e.reason}.", param) from e
+
+    def decode(self, token_ids: list[int], param: str = "tokens") -> str:
+        """The text of ``token_ids`` (special tokens kept); ids outside the vocabulary are refused first."""
+        check_token_ids(token_ids, self.vocab_size, "Token", param)
+        return self._require_tokenizer().decode(token_ids, skip_special_tokens=False)
+
+    def tokenize_prompt(self, prompt: PromptType) -> Prompt:
+        if isinstance(prompt, Prompt):
+            return prompt
+        if isinstance(prompt, str):
+            return Prompt(self.encode(prompt), prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return Prompt(list(prompt["prompt_token_ids"]), prompt.get("prompt"))
+            if "prompt" in prompt:
+                return Prompt(self.encode(prompt["prompt"]), prompt["prompt"])
+            raise InvalidRequestError("A prompt dict needs 'prompt' (text) or 'prompt_token_ids'.", "prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return Prompt(list(prompt))
+        raise InvalidRequestError(
+            f"Unsupported prompt type {type(prompt).__name__}: give text or token ids.", "prompt"
+        )
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs: Any,
+    ) -> Prompt:
+        """The conversation as the prompt the model runs: the rendered text and its token ids."""
+        if not messages:
+            raise InvalidRequestError("A conversation needs at least one message.", "messages")
+        tokenizer = self._require_tokenizer()
+        template = resolve_chat_template(chat_template) or self.chat_template
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=template,
+                **template_kwargs,
+            )
+        except Exception as e:  # jinja errors, a missing template: the request (or its template) is at fault
+            raise InvalidRequestError(f"Cannot apply the chat template: {e}", "messages") from e
+        # The template already holds the special tokens (BOS) it needs.
+        return Prompt(self.encode(text, add_special_tokens=False, param="messages"), text)
+
+    # ------------------------------------------------------------ validation
+
+    def check_prompt(self, token_ids: list[int], param: str = "prompt") -> None:
+        check_prompt_tokens(token_ids, self.max_model_len, self.vocab_size, param)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """What ``SamplingParams`` cannot check alone: token ids against this model's vocabulary."""
+        if params.logit_bias:
+            check_token_ids(list(params.logit_bias), self.vocab_size, "logit_bias token", "logit_bias")
+
+    def check_context(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens") -> None:
+        """The OpenAI API's rule: the prompt plus the requested completion must fit the context."""
+        if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the "
+                "completion). Please reduce the length of the prompt or the completion.",
+                param,
+            )
+
+    # ------------------------------------------------------------ conversion
+
+    def process(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        output_kind: RequestOutputKind | None = None,
+    ) -> ProcessedRequest:
+        """Tokenize, validate and convert one request; ValueError (InvalidRequestError) when it cannot run."""
+        tokenized = self.tokenize_prompt(prompt)
+        self.check_prompt(tokenized.token_ids)
+        self.check_params(params)
+        params = copy.copy(params)
+        if output_kind is not None:
+            params.output_kind = output_kind
+        if self.tokenizer is None:
+            params.detokenize = False
+        arrival = time.time() if arrival_time is None else arrival_time
+        samples: list[EngineCoreRequest] = []
+        for i in range(params.n):
+            seed = None if params.seed is None else params.seed + i
+            samples.append(
+                EngineCoreRequest(
+                    request_id=request_id if params.n == 1 else sample_request_id(i, request_id),
+                    prompt_token_ids=tokenized.token_ids,
+                    sampling_params=engine_sampling_params(params, seed),
+                    eos_token_id=self.eos_token_id,
+                    extra_eos_token_ids=self.extra_eos_token_ids,
+                    arrival_time=arrival,
+                    priority=priority,
+                    cache_salt=cache_salt,
+                    fork_of=samples[0].request_id if samples else None,
+                )
+            )
+        return ProcessedRequest(request_id, tokenized, params, samples)
