@@ -68,8 +68,6 @@ class CacheConfig:
     hash_algo: str = "sha256"
     # Recurrent-state checkpointing for models with Mamba-like layers (see MambaSpec).
     mamba_cache_mode: str = "align"
-    # Testing / capacity override of the number of pool blocks (None: size from memory).
-    num_gpu_blocks_override: int | None = None
     # Recurrent checkpoint interval in tokens, independent of the attention page size (None: the
     # attention page size, vLLM's behaviour). Must divide the (raised) attention block size or be
     # a multiple of it. Use with mamba_cache_mode "all" to checkpoint every interval of a prompt;
@@ -88,10 +86,6 @@ class CacheConfig:
             raise ValueError(
                 f"mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, got {self.mamba_cache_mode!r}."
             )
-        if self.num_gpu_blocks_override is not None:
-            _positive_int("num_gpu_blocks_override", self.num_gpu_blocks_override)
-            if self.num_gpu_blocks_override < 2:
-                raise ValueError("num_gpu_blocks_override must be at least 2 (one block is the null block).")
         if self.mamba_checkpoint_interval is not None:
             _positive_int("mamba_checkpoint_interval", self.mamba_checkpoint_interval)
         if not isinstance(self.mamba_checkpoint_at_end, bool):

@@ -91,13 +91,13 @@ class FakeWorker:
     reqs: dict[str, _ReqState] = field(default_factory=dict)
     num_steps: int = 0
 
-    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.num_steps += 1
         specs = [g.kv_cache_spec for g in self.config.kv_cache_groups]
-        for rid in so.finished_req_ids | so.preempted_req_ids:
+        for rid in out.finished_req_ids | out.preempted_req_ids:
             self.reqs.pop(rid, None)
         order: list[str] = []
-        for new in so.scheduled_new_reqs:
+        for new in out.scheduled_new_reqs:
             assert new.req_id not in self.reqs, "a new request the worker still holds"
             self.reqs[new.req_id] = _ReqState(
                 tokens=list(new.prompt_token_ids) + list(new.output_token_ids),
@@ -108,7 +108,7 @@ class FakeWorker:
                 want_prompt_logprobs=new.sampling_params.prompt_logprobs is not None,
             )
             order.append(new.req_id)
-        cached = so.scheduled_cached_reqs
+        cached = out.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             st = self.reqs[rid]
             assert st.num_computed == cached.num_computed_tokens[i], (rid, st.num_computed, cached)
@@ -122,12 +122,12 @@ class FakeWorker:
                 for g, ids in enumerate(added):
                     st.block_ids[g].extend(ids)
             order.append(rid)
-        assert set(order) == set(so.num_scheduled_tokens)
-        assert sum(so.num_scheduled_tokens.values()) == so.total_num_scheduled_tokens
+        assert set(order) == set(out.num_scheduled_tokens)
+        assert sum(out.num_scheduled_tokens.values()) == out.total_num_scheduled_tokens
 
         # 0. copy-on-write of partial prefix-hit pages (a block id into a column), first of all
-        for rid, per_group in so.prefix_page_copies.items():
-            assert rid in {n.req_id for n in so.scheduled_new_reqs}, "prefix copy for a running request"
+        for rid, per_group in out.prefix_page_copies.items():
+            assert rid in {n.req_id for n in out.scheduled_new_reqs}, "prefix copy for a running request"
             for g, (src_id, dst) in per_group.items():
                 dst_id = self.reqs[rid].block_ids[g][dst]
                 assert src_id != 0 and dst_id != 0 and src_id != dst_id
@@ -135,9 +135,9 @@ class FakeWorker:
                 self.pages[dst_id] = list(page) if isinstance(page, list) else page
         # 1. recurrent copies (checkpoint adoption), before anything runs
         for rid in order:
-            st, k = self.reqs[rid], so.num_scheduled_tokens[rid]
+            st, k = self.reqs[rid], out.num_scheduled_tokens[rid]
             n = st.num_computed
-            for g, (src, dst) in so.mamba_state_copies.get(rid, {}).items():
+            for g, (src, dst) in out.mamba_state_copies.get(rid, {}).items():
                 spec = specs[g]
                 assert isinstance(spec, MambaSpec)
                 assert dst == (n + k - 1) // spec.block_size, "copy destination is not the running column"
@@ -146,7 +146,7 @@ class FakeWorker:
                 self.pages[dst_id] = self.pages.get(src_id)
         # 2. attention writes for the whole batch
         for rid in order:
-            st, k = self.reqs[rid], so.num_scheduled_tokens[rid]
+            st, k = self.reqs[rid], out.num_scheduled_tokens[rid]
             assert st.num_computed + k <= len(st.tokens)
             for g, spec in enumerate(specs):
                 if isinstance(spec, MambaSpec):
@@ -164,7 +164,7 @@ class FakeWorker:
         logprobs: list[list[TokenLogprobs] | None] = []
         prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
         for rid in order:
-            st, k = self.reqs[rid], so.num_scheduled_tokens[rid]
+            st, k = self.reqs[rid], out.num_scheduled_tokens[rid]
             n, end = st.num_computed, st.num_computed + k
             for g, spec in enumerate(specs):
                 if isinstance(spec, MambaSpec):
@@ -332,11 +332,11 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 8, **kw) -> Requ
 
 
 def step(s: Scheduler, w: FakeWorker, checker: Checker | None = None, full_check: bool = True):
-    so = s.schedule()
+    out = s.schedule()
     if checker is not None:
         checker.register()  # before requests finish, so every published hash is known
-    mo = w.execute(so)
-    outs = s.update_from_output(so, mo)
+    mo = w.execute(out)
+    outs = s.update_from_output(out, mo)
     if checker is not None and full_check:
         checker.check()
-    return so, outs
+    return out, outs

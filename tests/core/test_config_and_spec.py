@@ -36,7 +36,6 @@ def test_scheduler_config_rejects(kwargs, match):
         ({"block_size": 0}, "block_size"),
         ({"hash_algo": "md5"}, "hash_algo"),
         ({"mamba_cache_mode": "some"}, "mamba_cache_mode"),
-        ({"num_gpu_blocks_override": 1}, "null block"),
     ],
 )
 def test_cache_config_rejects(kwargs, match):

@@ -17,8 +17,8 @@ def run_one(s, w, checker, req):
     s.add_request(req)
     first = None
     while s.has_unfinished_requests():
-        so, _ = step(s, w, checker)
-        first = first or so
+        out, _ = step(s, w, checker)
+        first = first or out
     return first
 
 
@@ -40,8 +40,8 @@ def test_interval_is_independent_of_the_attention_page() -> None:
 def test_default_is_unchanged() -> None:
     s, w, checker = make(attn(8), mamba(8, "align"))
     assert s.kv_cache_manager.fine is None
-    so = run_one(s, w, checker, make_request("a", list(range(1, 20))))
-    assert so.prefix_page_copies == {}
+    out = run_one(s, w, checker, make_request("a", list(range(1, 20))))
+    assert out.prefix_page_copies == {}
 
 
 def test_sub_page_hit_copies_the_partial_page() -> None:
@@ -50,12 +50,12 @@ def test_sub_page_hit_copies_the_partial_page() -> None:
     s, w, checker = make(attn(8), mamba(4, "all"))
     shared = list(range(1, 15))
     run_one(s, w, checker, make_request("a", shared + [40, 41, 42], max_tokens=2))
-    so = run_one(s, w, checker, make_request("b", shared + [30, 31], max_tokens=2))
-    new = so.scheduled_new_reqs[0]
+    out = run_one(s, w, checker, make_request("b", shared + [30, 31], max_tokens=2))
+    new = out.scheduled_new_reqs[0]
     assert new.num_computed_tokens == 12
-    src, dst = so.prefix_page_copies["b"][0]
+    src, dst = out.prefix_page_copies["b"][0]
     assert dst == 1 and src != new.block_ids[0][1]
-    assert 1 not in so.prefix_page_copies["b"]  # 12 is an interval boundary: no recurrent copy
+    assert 1 not in out.prefix_page_copies["b"]  # 12 is an interval boundary: no recurrent copy
     checker.check_all_free()
     assert s.make_stats()["prefix_cache_hits"] == 12
 
@@ -65,11 +65,11 @@ def test_source_page_is_held_until_the_copy_ran() -> None:
     shared = list(range(1, 15))
     run_one(s, w, checker, make_request("a", shared + [40], max_tokens=1))
     s.add_request(make_request("b", shared + [30, 31, 32], max_tokens=4))
-    so = s.schedule()
-    src, _ = so.prefix_page_copies["b"][0]
+    out = s.schedule()
+    src, _ = out.prefix_page_copies["b"][0]
     pool = s.kv_cache_manager.block_pool
     assert pool.blocks[src].ref_cnt == 1  # borrowed, in no block list: not reusable before the copy
-    s.update_from_output(so, w.execute(so))
+    s.update_from_output(out, w.execute(out))
     checker.check()
     assert pool.blocks[src].ref_cnt == 0  # the copy ran: back to the evictable cache
     assert src not in s.kv_cache_manager.get_block_ids("b")[0]
@@ -89,12 +89,12 @@ def test_exact_end_checkpoint_resumes_the_next_turn(mode) -> None:
     end = turn1.num_tokens - 1
     assert end % 4
     turn2 = make_request("t2", turn1.all_token_ids + [45, 46], max_tokens=4)
-    so = run_one(s, w, checker, turn2)
-    assert so.scheduled_new_reqs[0].num_computed_tokens == end
-    assert set(so.prefix_page_copies["t2"]) == {0, 1}  # partial attention page and mid-column state
+    out = run_one(s, w, checker, turn2)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == end
+    assert set(out.prefix_page_copies["t2"]) == {0, 1}  # partial attention page and mid-column state
     turn3 = make_request("t3", turn2.all_token_ids + [47], max_tokens=3)
-    so = run_one(s, w, checker, turn3)
-    assert so.scheduled_new_reqs[0].num_computed_tokens == turn2.num_tokens - 1
+    out = run_one(s, w, checker, turn3)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == turn2.num_tokens - 1
     checker.check_all_free()
 
 
@@ -102,8 +102,8 @@ def test_end_checkpoint_needs_the_flag() -> None:
     s, w, checker = make(attn(8), mamba(4, "all"))
     turn1 = make_request("t1", list(range(1, 12)), max_tokens=4)
     run_one(s, w, checker, turn1)
-    so = run_one(s, w, checker, make_request("t2", turn1.all_token_ids + [45], max_tokens=1))
-    assert so.scheduled_new_reqs[0].num_computed_tokens == 12  # the last interval boundary only
+    out = run_one(s, w, checker, make_request("t2", turn1.all_token_ids + [45], max_tokens=1))
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 12  # the last interval boundary only
 
 
 def test_preempted_request_resumes_from_its_checkpoint() -> None:
@@ -114,8 +114,8 @@ def test_preempted_request_resumes_from_its_checkpoint() -> None:
         s.add_request(r)
     resumed = []
     while s.has_unfinished_requests():
-        so, _ = step(s, w, checker)
-        resumed += [n.num_computed_tokens for n in so.scheduled_new_reqs if n.output_token_ids]
+        out, _ = step(s, w, checker)
+        resumed += [n.num_computed_tokens for n in out.scheduled_new_reqs if n.output_token_ids]
     assert s.num_preemptions > 0
     assert resumed and max(resumed) > 0
     checker.check_all_free()
@@ -133,8 +133,8 @@ def test_all_mode_keeps_checkpoints_cached_not_pinned() -> None:
     held = [b for b in s.kv_cache_manager.get_block_ids("long")[1] if b]
     assert len(held) <= 2  # not ceil(41 / 4) = 11 pinned pages
     other = make_request("other", list(range(1, 30)) + [7, 7], max_tokens=2)
-    so = run_one(s, w, checker, other)
-    assert so.scheduled_new_reqs[0].num_computed_tokens == 28  # the last interval checkpoint shared
+    out = run_one(s, w, checker, other)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 28  # the last interval checkpoint shared
     while s.has_unfinished_requests():
         step(s, w, checker)
     checker.check_all_free()

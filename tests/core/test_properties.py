@@ -81,8 +81,8 @@ def test_random_operations_keep_the_invariants(layout, extra_blocks, budget, max
     aborted = False
 
     def do_step():
-        so, _ = step(s, w, checker)
-        for new in so.scheduled_new_reqs:
+        out, _ = step(s, w, checker)
+        for new in out.scheduled_new_reqs:
             if new.req_id not in arrival_rank or new.req_id in first_admitted:
                 continue
             first_admitted.append(new.req_id)

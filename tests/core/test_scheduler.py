@@ -25,8 +25,8 @@ def make(num_blocks=64, specs=None, max_model_len=64, caching=True, **sched_kw):
     return s, w, Checker(s, w)
 
 
-def canned(so, tokens_by_req):
-    ids = list(so.num_scheduled_tokens)
+def canned(out, tokens_by_req):
+    ids = list(out.num_scheduled_tokens)
     return ModelRunnerOutput(ids, {r: i for i, r in enumerate(ids)}, [tokens_by_req.get(r, []) for r in ids])
 
 
@@ -35,13 +35,13 @@ def test_budget_chunked_prefill_mixes_with_decodes():
     s.add_request(make_request("a", list(range(1, 4)), max_tokens=20))
     step(s, w, c)
     s.add_request(make_request("b", list(range(100, 125)), max_tokens=2))
-    so, _ = step(s, w, c)
-    assert so.num_scheduled_tokens == {"a": 1, "b": 9}  # decode + a prefill chunk
-    so, _ = step(s, w, c)
-    assert so.num_scheduled_tokens == {"a": 1, "b": 9}
-    assert so.scheduled_cached_reqs.req_ids == ["a", "b"]
-    so, _ = step(s, w, c)
-    assert so.num_scheduled_tokens == {"a": 1, "b": 7}  # last chunk, then b samples
+    out, _ = step(s, w, c)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 9}  # decode + a prefill chunk
+    out, _ = step(s, w, c)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 9}
+    assert out.scheduled_cached_reqs.req_ids == ["a", "b"]
+    out, _ = step(s, w, c)
+    assert out.num_scheduled_tokens == {"a": 1, "b": 7}  # last chunk, then b samples
     assert s.requests["b"].num_output_tokens == 1
 
 
@@ -49,8 +49,8 @@ def test_long_prefill_threshold_and_max_num_seqs():
     s, w, c = make(max_num_batched_tokens=64, long_prefill_token_threshold=5, max_num_seqs=2)
     for i in range(3):
         s.add_request(make_request(f"r{i}", list(range(10 * i + 1, 10 * i + 13))))
-    so, _ = step(s, w, c)
-    assert so.num_scheduled_tokens == {"r0": 5, "r1": 5}
+    out, _ = step(s, w, c)
+    assert out.num_scheduled_tokens == {"r0": 5, "r1": 5}
     assert len(s.running) == 2 and len(s.waiting) == 1
 
 
@@ -58,8 +58,8 @@ def test_no_chunking_when_disabled():
     s, w, c = make(max_num_batched_tokens=64, enable_chunked_prefill=False)
     s.add_request(make_request("a", list(range(1, 40)), max_tokens=30))
     s.add_request(make_request("b", list(range(100, 140)), max_tokens=2))
-    so, _ = step(s, w, c)
-    assert so.num_scheduled_tokens == {"a": 39}  # b does not fit whole: waits
+    out, _ = step(s, w, c)
+    assert out.num_scheduled_tokens == {"a": 39}  # b does not fit whole: waits
 
 
 def test_same_step_identical_prompts_share_full_blocks():
@@ -67,11 +67,11 @@ def test_same_step_identical_prompts_share_full_blocks():
     prompt = list(range(1, 15))
     s.add_request(make_request("a", prompt))
     s.add_request(make_request("b", prompt))
-    so, outs = step(s, w, c)
-    new = {n.req_id: n for n in so.scheduled_new_reqs}
+    out, outs = step(s, w, c)
+    new = {n.req_id: n for n in out.scheduled_new_reqs}
     assert new["b"].num_computed_tokens == 12
     assert new["b"].block_ids[0][:3] == new["a"].block_ids[0][:3]
-    assert so.num_scheduled_tokens == {"a": 14, "b": 2}
+    assert out.num_scheduled_tokens == {"a": 14, "b": 2}
     assert {o.request_id: o.num_cached_tokens for o in outs} == {"a": 0, "b": 12}
     assert s.make_stats()["prefix_cache_hits"] == 12
 
@@ -81,8 +81,8 @@ def test_different_salts_never_share():
     prompt = list(range(1, 15))
     s.add_request(make_request("a", prompt, cache_salt="x"))
     s.add_request(make_request("b", prompt, cache_salt="y"))
-    so, _ = step(s, w, c)
-    assert {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs} == {"a": 0, "b": 0}
+    out, _ = step(s, w, c)
+    assert {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs} == {"a": 0, "b": 0}
 
 
 def test_preemption_by_recompute_and_resume_as_new_request():
@@ -92,14 +92,14 @@ def test_preemption_by_recompute_and_resume_as_new_request():
     s.add_request(make_request("b", list(range(20, 32)), max_tokens=12, ignore_eos=True))
     saw_preempt = False
     for _ in range(60):
-        so, _ = step(s, w, c)
-        if so.preempted_req_ids:
+        out, _ = step(s, w, c)
+        if out.preempted_req_ids:
             saw_preempt = True
-            assert so.preempted_req_ids == {"b"}  # FCFS: the latest arrival goes
-            assert not so.scheduled_new_reqs  # no admission in a step that preempted
+            assert out.preempted_req_ids == {"b"}  # FCFS: the latest arrival goes
+            assert not out.scheduled_new_reqs  # no admission in a step that preempted
             assert s.waiting.peek().request_id == "b"
             assert s.requests["b"].status == RequestStatus.PREEMPTED
-        for new in so.scheduled_new_reqs:
+        for new in out.scheduled_new_reqs:
             if new.req_id == "b" and s.requests.get("b") and s.requests["b"].num_preemptions:
                 assert new.output_token_ids, "a resumed request carries its outputs"
         if not s.has_unfinished_requests():
@@ -116,12 +116,12 @@ def test_priority_policy_admits_and_preempts_by_priority():
     s.add_request(
         make_request("high", list(range(20, 32)), max_tokens=12, ignore_eos=True, priority=0, arrival_time=1)
     )
-    so, _ = step(s, w, c)
-    assert [n.req_id for n in so.scheduled_new_reqs] == ["high", "low"]
+    out, _ = step(s, w, c)
+    assert [n.req_id for n in out.scheduled_new_reqs] == ["high", "low"]
     preempted = set()
     while s.has_unfinished_requests():
-        so, _ = step(s, w, c)
-        preempted |= so.preempted_req_ids
+        out, _ = step(s, w, c)
+        preempted |= out.preempted_req_ids
     assert preempted == {"low"}
     c.check_all_free()
 
@@ -133,8 +133,8 @@ def test_abort_anywhere_returns_every_block():
     step(s, w, c)
     step(s, w, c)
     s.finish_requests(["r0", "r3"], RequestStatus.FINISHED_ABORTED)  # running mid-prefill, waiting
-    so, _ = step(s, w, c)
-    assert {"r0", "r3"} <= so.finished_req_ids
+    out, _ = step(s, w, c)
+    assert {"r0", "r3"} <= out.finished_req_ids
     s.finish_requests("r1", RequestStatus.FINISHED_ABORTED)
     s.finish_requests("nope", RequestStatus.FINISHED_ABORTED)
     s.finish_requests(list(s.requests), RequestStatus.FINISHED_ABORTED)
@@ -149,8 +149,8 @@ def _run_one(req, outputs_per_step, max_model_len=64):
     s.add_request(req)
     outs = []
     for toks in outputs_per_step:
-        so = s.schedule()
-        outs += s.update_from_output(so, canned(so, {req.request_id: toks}))
+        out = s.schedule()
+        outs += s.update_from_output(out, canned(out, {req.request_id: toks}))
         if not s.has_unfinished_requests():
             break
     return s, req, outs
@@ -183,7 +183,7 @@ def test_multi_token_output_truncated_at_stop():
 def test_logprobs_and_prompt_logprobs_converted():
     s, w, c = make(max_num_batched_tokens=64)
     s.add_request(make_request("a", list(range(1, 9)), logprobs=1, prompt_logprobs=0))
-    so, outs = step(s, w, c)
+    out, outs = step(s, w, c)
     (o,) = outs
     assert o.new_logprobs == [([o.new_token_ids[0], 1], [-0.5, -1.5], 1)]
     assert len(o.prompt_logprobs) == 8 and o.prompt_logprobs[-1] is None
@@ -224,15 +224,15 @@ def test_align_mode_chunks_end_on_block_boundaries():
     s.add_request(make_request("a", list(range(1, 23)), max_tokens=2))
     sizes = []
     while s.has_unfinished_requests():
-        so, _ = step(s, w, c)
-        sizes.append(so.num_scheduled_tokens.get("a"))
+        out, _ = step(s, w, c)
+        sizes.append(out.num_scheduled_tokens.get("a"))
     # 22 tokens, budget 10: 8 (boundary), 8 (boundary), then 4 to the last boundary (20), 2 more
     assert sizes[:4] == [8, 8, 4, 2]
     # a second identical prompt resumes from the checkpoint at 20
     s.add_request(make_request("b", list(range(1, 23)), max_tokens=1))
-    so, _ = step(s, w, c)
-    assert so.scheduled_new_reqs[0].num_computed_tokens == 20
-    assert so.mamba_state_copies == {"b": {1: (4, 5)}}
+    out, _ = step(s, w, c)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 20
+    assert out.mamba_state_copies == {"b": {1: (4, 5)}}
 
 
 def test_reset_prefix_cache_and_stats():
@@ -245,8 +245,8 @@ def test_reset_prefix_cache_and_stats():
         step(s, w, c)
     assert s.reset_prefix_cache()
     s.add_request(make_request("b", list(range(1, 10)), max_tokens=1))
-    so, _ = step(s, w, c)
-    assert so.scheduled_new_reqs[0].num_computed_tokens == 0
+    out, _ = step(s, w, c)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 0
     stats = s.make_stats()
     assert set(stats) >= {
         "num_running",

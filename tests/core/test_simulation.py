@@ -64,8 +64,8 @@ def run_sim(
         if abort_every and steps % abort_every == 0 and s.requests:
             victim = rng.choice(sorted(s.requests))
             s.finish_requests(victim, RequestStatus.FINISHED_ABORTED)
-        so, outs = step(s, w, checker, full_check=steps % check_every == 0)
-        for new in so.scheduled_new_reqs:
+        out, outs = step(s, w, checker, full_check=steps % check_every == 0)
+        for new in out.scheduled_new_reqs:
             if new.req_id not in seen:
                 seen.add(new.req_id)
                 admitted_order.append(int(new.req_id[1:]))

@@ -85,7 +85,7 @@ def test_n_greater_than_one(hybrid):
     outputs = run(llm, prompts, n=3)
     assert all(len(o.outputs) == 3 for o in outputs)
     check(outputs, prompts, ref)
-    computed = sum(so.total_num_scheduled_tokens for so in scheduled)
+    computed = sum(out.total_num_scheduled_tokens for out in scheduled)
     # Per prompt: the prompt once, the last prompt token twice more, 7 decode tokens per sample.
     assert computed == sum(len(p) + 2 + 3 * (MAX_TOKENS - 1) for p in prompts)
     assert forked_counts(scheduled) == sorted(2 * [len(p) - 1 for p in prompts])

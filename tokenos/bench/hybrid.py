@@ -151,7 +151,7 @@ def measure_fork(path: str, prompt_len: int, n: int, new_tokens: int, seed: int)
         t = time.perf_counter()
         llm.generate(requests, params, use_tqdm=False)
         row[f"{name}_s"] = round(time.perf_counter() - t, 3)
-        row[f"{name}_tokens_computed"] = sum(so.total_num_scheduled_tokens for so in scheduled)
+        row[f"{name}_tokens_computed"] = sum(out.total_num_scheduled_tokens for out in scheduled)
     return row
 
 

@@ -16,9 +16,9 @@ def record_schedules(llm: LLM) -> list[SchedulerOutput]:
     schedule = scheduler.schedule
 
     def recording() -> SchedulerOutput:
-        so = schedule()
-        scheduled.append(so)
-        return so
+        scheduler_output = schedule()
+        scheduled.append(scheduler_output)
+        return scheduler_output
 
     scheduler.schedule = recording
     return scheduled

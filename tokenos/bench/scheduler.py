@@ -41,22 +41,22 @@ def bench(
         params = SamplingParams(max_tokens=num_steps + 8, ignore_eos=True)
         sched.add_request(Request(f"req-{i}", prompt, params, eos_token_id=2, arrival_time=float(i)))
 
-    def model_output(so) -> ModelRunnerOutput:
-        ids = list(so.num_scheduled_tokens)
+    def model_output(scheduler_output) -> ModelRunnerOutput:
+        ids = list(scheduler_output.num_scheduled_tokens)
         return ModelRunnerOutput(ids, {r: k for k, r in enumerate(ids)}, [[7] for _ in ids])
 
-    so = sched.schedule()  # the prefill step, not timed
-    sched.update_from_output(so, model_output(so))
-    so = sched.schedule()
-    canned = model_output(so)  # the same requests decode every step, in the same order
-    sched.update_from_output(so, canned)
+    scheduler_output = sched.schedule()  # the prefill step, not timed
+    sched.update_from_output(scheduler_output, model_output(scheduler_output))
+    scheduler_output = sched.schedule()
+    canned = model_output(scheduler_output)  # the same requests decode every step, in the same order
+    sched.update_from_output(scheduler_output, canned)
 
     t0 = time.perf_counter()
     for _ in range(num_steps):
-        so = sched.schedule()
-        sched.update_from_output(so, canned)
+        scheduler_output = sched.schedule()
+        sched.update_from_output(scheduler_output, canned)
     elapsed = time.perf_counter() - t0
-    assert len(so.num_scheduled_tokens) == num_running, "not every request decoded every step"
+    assert len(scheduler_output.num_scheduled_tokens) == num_running, "not every request decoded every step"
     step_us = elapsed / num_steps * 1e6
     return step_us, step_us / num_running
 

@@ -135,9 +135,6 @@ class IncrementalDetokenizer:
         self._delta_sent = len(text)
         return delta
 
-    def get_next_output_text(self, delta: bool) -> str:
-        return self.get_delta() if delta else self.output_text
-
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
