@@ -33,6 +33,7 @@ from tokenos.worker.recurrent import (
     boundary_pages,
     build_recurrent_batch,
 )
+from tokenos.worker.step_inputs import StepInputs, prepare_step_inputs, slot_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -114,35 +115,24 @@ class ModelRunner:
         scheduled = scheduler_output.num_scheduled_tokens
         n = batch.gather_scheduled(scheduled)
         req_ids: list[str] = batch.req_ids[:n]  # type: ignore[assignment]
-        num_sched = np.array([scheduled[r] for r in req_ids], dtype=np.int64)
-        num_computed = batch.num_computed_tokens[:n].astype(np.int64)
-
-        cu = np.cumsum(num_sched)
-        starts = cu - num_sched
-        total = int(cu[-1])
-        # positions: num_computed[row] + 0..num_sched[row]-1, laid out flat
-        offsets = np.arange(total) - np.repeat(starts, num_sched)
-        rows = np.repeat(np.arange(n), num_sched)
-        positions = np.repeat(num_computed, num_sched) + offsets
-        input_ids = batch.token_ids[rows, positions]
+        inputs = prepare_step_inputs(
+            batch.token_ids, batch.num_computed_tokens[:n], [scheduled[r] for r in req_ids]
+        )
 
         self._copy_pages(scheduler_output)
-        group_metadata = [
-            self._group_metadata(g, spec, n, rows, positions, num_sched, num_computed)
-            for g, spec in enumerate(self.group_specs)
-        ]
+        group_metadata = [self._group_metadata(g, spec, inputs) for g, spec in enumerate(self.group_specs)]
         forward_batch = ForwardBatch.for_groups(
-            torch.from_numpy(input_ids),
-            torch.from_numpy(positions),
+            torch.from_numpy(inputs.input_ids),
+            torch.from_numpy(inputs.positions),
             self.kv_caches,
             group_metadata,
             self.entry_groups,
         )
         hidden = self.model(forward_batch)
 
-        seq_after = num_computed + num_sched
+        seq_after = inputs.seq_lens
         sample_mask = seq_after >= batch.num_tokens[:n]
-        logits = self.model.compute_logits(hidden[torch.from_numpy(cu - 1)])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(inputs.last_token_indices)])
         # rows still mid-prompt sample nothing; their seeded generators must not advance
         discard = np.flatnonzero(~sample_mask).tolist()
         sampler_out = self.sampler(logits, batch.sampling.make_metadata(n, discard_rows=discard))
@@ -162,7 +152,7 @@ class ModelRunner:
                 logprobs.append(None)
         batch.num_computed_tokens[:n] = seq_after
 
-        prompt_logprobs = self._prompt_logprobs(hidden, n, req_ids, starts, num_sched, num_computed)
+        prompt_logprobs = self._prompt_logprobs(hidden, req_ids, inputs)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -185,23 +175,15 @@ class ModelRunner:
             )
 
     def _group_metadata(
-        self,
-        g: int,
-        spec: KVCacheSpec,
-        n: int,
-        rows: np.ndarray,
-        positions: np.ndarray,
-        num_sched: np.ndarray,
-        num_computed: np.ndarray,
+        self, g: int, spec: KVCacheSpec, inputs: StepInputs
     ) -> AttentionMetadata | RecurrentBatch:
         if isinstance(spec, MambaSpec):
-            return self._recurrent_metadata(g, spec, n, num_sched, num_computed)
-        return self._attention_metadata(g, spec.block_size, n, rows, positions, num_sched, num_computed)
+            return self._recurrent_metadata(g, spec, inputs)
+        return self._attention_metadata(g, spec.block_size, inputs)
 
-    def _recurrent_metadata(
-        self, g: int, spec: MambaSpec, n: int, num_sched: np.ndarray, num_computed: np.ndarray
-    ) -> RecurrentBatch:
+    def _recurrent_metadata(self, g: int, spec: MambaSpec, inputs: StepInputs) -> RecurrentBatch:
         """The running state page of each request: column (n + k - 1) // B of its block list."""
+        n, num_sched, num_computed = inputs.num_reqs, inputs.num_scheduled, inputs.num_computed
         table = self.input_batch.block_tables[g]
         if spec.cache_mode == "none":
             columns = np.zeros(n, dtype=np.int64)
@@ -215,52 +197,36 @@ class ModelRunner:
         pages = boundary_pages(table.table[:n], num_computed, num_sched, spec.block_size)
         return build_recurrent_batch(qsl, num_computed, num_sched, running, pages, spec.block_size)
 
-    def _attention_metadata(
-        self,
-        g: int,
-        block_size: int,
-        n: int,
-        rows: np.ndarray,
-        positions: np.ndarray,
-        num_sched: np.ndarray,
-        num_computed: np.ndarray,
-    ) -> AttentionMetadata:
+    def _attention_metadata(self, g: int, block_size: int, inputs: StepInputs) -> AttentionMetadata:
+        n = inputs.num_reqs
         table = self.input_batch.block_tables[g]
         width = max(int(table.num_blocks[:n].max()), 1)
         block_table = table.table[:n, :width]
-        slots = block_table[rows, positions // block_size].astype(np.int64) * block_size
-        slots += positions % block_size
-        seq_lens = num_computed + num_sched
         return make_attention_metadata(
             torch.from_numpy(block_table),
-            num_sched.tolist(),
-            seq_lens.tolist(),
-            torch.from_numpy(slots),
+            inputs.num_scheduled.tolist(),
+            inputs.seq_lens.tolist(),
+            torch.from_numpy(slot_mapping(block_table, inputs.rows, inputs.positions, block_size)),
             block_size,
         )
 
     def _prompt_logprobs(
-        self,
-        hidden: torch.Tensor,
-        n: int,
-        req_ids: list[str],
-        starts: np.ndarray,
-        num_sched: np.ndarray,
-        num_computed: np.ndarray,
+        self, hidden: torch.Tensor, req_ids: list[str], inputs: StepInputs
     ) -> dict[str, list[TokenLogprobs | None]]:
         """Logprobs of prompt tokens 1..P-1, for the prompt positions computed this step."""
         batch = self.input_batch
         out: dict[str, list[TokenLogprobs | None]] = {}
         for row, num_top in sorted(batch.prompt_logprobs.items()):
-            if row >= n:
+            if row >= inputs.num_reqs:
                 continue
             n_prompt = int(batch.num_prompt_tokens[row])
-            first = int(num_computed[row])
+            first = int(inputs.num_computed[row])
             # position p predicts token p+1; only positions < n_prompt - 1 score a prompt token
-            last = min(first + int(num_sched[row]), n_prompt - 1)
+            last = min(first + int(inputs.num_scheduled[row]), n_prompt - 1)
             if last <= first:
                 continue
-            idx = torch.arange(int(starts[row]), int(starts[row]) + last - first)
+            start = int(inputs.query_start[row])
+            idx = torch.arange(start, start + last - first)
             logits = self.model.compute_logits(hidden[idx])
             targets = torch.from_numpy(batch.token_ids[row, first + 1 : last + 1].copy())
             scored = list(compute_prompt_logprobs(logits, targets, num_top))
