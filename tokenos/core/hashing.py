@@ -23,15 +23,22 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 
-if TYPE_CHECKING:
-    from tokenos.core.request import Request
-
 BlockHash = bytes
 HashFn = Callable[[bytes], bytes]
+
+
+class HashedTokens(Protocol):
+    """What hashing reads of a request (`tokenos.core.request.Request`): its tokens, the hashes so far,
+    and the extra keys. A protocol, so hashing sits below the request it names."""
+
+    all_token_ids: list[int]
+    block_hashes: list[BlockHash]
+    cache_salt: str | None
+    adapter_id: int | str | None
 
 
 def _sha256(data: bytes) -> bytes:
@@ -100,10 +107,10 @@ def block_extra_keys(block_index: int, cache_salt: str | None, adapter_id: int |
     return None
 
 
-def make_block_hasher(hash_block_size: int, hash_fn: HashFn) -> Callable[[Request], list[BlockHash]]:
+def make_block_hasher(hash_block_size: int, hash_fn: HashFn) -> Callable[[HashedTokens], list[BlockHash]]:
     """A function returning the hashes of a request's blocks that became full since last call."""
 
-    def hasher(request: Request) -> list[BlockHash]:
+    def hasher(request: HashedTokens) -> list[BlockHash]:
         hashes = request.block_hashes
         start = len(hashes) * hash_block_size
         tokens = request.all_token_ids
@@ -120,7 +127,7 @@ def make_block_hasher(hash_block_size: int, hash_fn: HashFn) -> Callable[[Reques
     return hasher
 
 
-def exact_prefix_hash(hash_fn: HashFn, request: Request, length: int, hash_block_size: int) -> BlockHash:
+def exact_prefix_hash(hash_fn: HashFn, request: HashedTokens, length: int, hash_block_size: int) -> BlockHash:
     """Key of the prefix `all_token_ids[:length]` for any length: the hash-block hash when `length`
     is on the hash grid, else H(last grid hash, the tail tokens) (distinct from every grid hash,
     since the token count is part of the encoding). Used for end-of-request checkpoints."""

@@ -9,20 +9,29 @@ naming mismatch never leaves uninitialised weights behind.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import nn
 
 from tokenos.layers.weights import load_named_weights, missing_weights
 
-if TYPE_CHECKING:
-    from tokenos.models.config import ModelConfig
+
+class CheckpointConfig(Protocol):
+    """What loading needs to know of a model's config (`tokenos.models.config.ModelConfig` has it);
+    a protocol, so this package stays below the model code."""
+
+    model_path: str
+    gguf_file: str | None
+    tie_word_embeddings: bool
+    num_attention_heads: int
+    num_key_value_heads: int
+
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-def iter_checkpoint_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint_weights(config: CheckpointConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors under Hugging Face names, whatever the file format."""
     if config.gguf_file:
         from tokenos.model_loader.gguf_loader import iter_gguf_weights
@@ -33,7 +42,7 @@ def iter_checkpoint_weights(config: ModelConfig) -> Iterator[tuple[str, torch.Te
     return iter_safetensors_weights(config.model_path)
 
 
-def load_weights(model: nn.Module, config: ModelConfig, weights: Iterable | None = None) -> None:
+def load_weights(model: nn.Module, config: CheckpointConfig, weights: Iterable | None = None) -> None:
     """Load ``weights`` (default: the checkpoint of ``config``) into ``model``."""
     # Checkpoint parts the model does not run (e.g. multi-token-prediction heads): skipped by name.
     ignored_prefixes = tuple(getattr(model, "ignored_weight_prefixes", ()))

@@ -1,4 +1,4 @@
-"""The one architecture registry: Hugging Face architecture name -> our model class, and `build_model`.
+"""The one architecture registry: Hugging Face architecture name -> our model class.
 
 An entry names the module and class that implement an architecture (imported only when a model is
 built, so resolving a config stays light) and the config defaults that tell it apart from its family's
@@ -15,8 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from tokenos.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -55,20 +53,3 @@ def model_class(name: str) -> type[nn.Module]:
     entry = get_architecture(name)
     module = importlib.import_module(f"tokenos.models.{entry.module}")
     return getattr(module, entry.class_name)
-
-
-def build_model(model_config: ModelConfig, load: bool = True) -> nn.Module:
-    """Instantiate the model in ``model_config.dtype`` and (by default) load its checkpoint."""
-    import torch
-
-    from tokenos.model_loader import load_weights
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(model_config.dtype)
-    try:
-        model = model_class(model_config.architecture)(model_config)
-    finally:
-        torch.set_default_dtype(previous)
-    if load:
-        load_weights(model, model_config)
-    return model.eval()

@@ -1,0 +1,23 @@
+"""`build_model`: a resolved `ModelConfig` in, the model with its checkpoint loaded out."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenos.model_loader import load_weights
+from tokenos.models.config import ModelConfig
+from tokenos.models.registry import model_class
+
+
+def build_model(model_config: ModelConfig, load: bool = True) -> nn.Module:
+    """Instantiate the model in ``model_config.dtype`` and (by default) load its checkpoint."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        model = model_class(model_config.architecture)(model_config)
+    finally:
+        torch.set_default_dtype(previous)
+    if load:
+        load_weights(model, model_config)
+    return model.eval()
