@@ -5,8 +5,9 @@ Driven through the real scheduler and the contract-checking fake worker."""
 from __future__ import annotations
 
 import pytest
-from core_sim import attn, make_engine, make_request, mamba, step
 
+from tests.fixtures.scheduler_sim import attn, make_engine, make_request, mamba, step
+from tokenos.config import CacheConfig
 from tokenos.core.kv_cache.spec import FullAttentionSpec, MambaSpec, get_kv_cache_config
 
 make = make_engine
@@ -83,7 +84,8 @@ def test_source_page_is_held_until_the_copy_ran() -> None:
 def test_exact_end_checkpoint_resumes_the_next_turn(mode) -> None:
     """Turn 2 = turn 1's prompt + answer + new text resumes at turn 1's last computed token
     (prompt + answer - 1: the last sampled token was never fed back), off every block boundary."""
-    s, w, checker = make(attn(8), mamba(8 if mode == "align" else 4, mode), at_end=True)
+    at_end = CacheConfig(mamba_checkpoint_at_end=True)
+    s, w, checker = make(attn(8), mamba(8 if mode == "align" else 4, mode), cache=at_end)
     turn1 = make_request("t1", list(range(1, 12)), max_tokens=4)
     run_one(s, w, checker, turn1)
     end = turn1.num_tokens - 1

@@ -7,8 +7,8 @@ forked from the wrong page, or from a page the parent had already advanced, fail
 from __future__ import annotations
 
 import pytest
-from core_sim import LAYOUTS, make_engine, make_request, step
 
+from tests.fixtures.scheduler_sim import LAYOUTS, make_engine, make_request, step
 from tokenos.core.kv_cache.spec import MambaSpec
 from tokenos.core.request import RequestStatus
 from tokenos.core.sched.scheduler import Scheduler

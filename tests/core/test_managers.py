@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from core_sim import attn, make_config, mamba, swa
 
+from tests.fixtures.scheduler_sim import attn, make_config, mamba, swa
 from tokenos.core.hashing import get_hash_fn, make_block_hasher
 from tokenos.core.kv_cache.manager import Allocation, KVCacheManager
 from tokenos.core.messages import EngineSamplingParams

@@ -7,14 +7,13 @@ Preemption comes from memory pressure: pools are sized barely above one max-leng
 
 from __future__ import annotations
 
-from core_sim import LAYOUTS, Checker, FakeWorker, make_config, make_request, step
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tokenos.config import CacheConfig, SchedulerConfig
+from tests.fixtures.scheduler_sim import LAYOUTS, make_engine, make_request, step
+from tokenos.config import CacheConfig
 from tokenos.core.kv_cache.spec import MambaSpec, cdiv
 from tokenos.core.request import RequestStatus
-from tokenos.core.sched.scheduler import Scheduler
 
 MAX_MODEL_LEN = 40
 PREFIXES = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 40, 41], [20, 21, 22, 23, 24, 25, 26, 27]]
@@ -65,15 +64,16 @@ def _min_blocks(specs) -> int:
 )
 def test_random_operations_keep_the_invariants(layout, extra_blocks, budget, max_seqs, policy, ops):
     specs = LAYOUTS[layout]()
-    cfg = make_config(_min_blocks(specs) + extra_blocks, *specs)
-    s = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, policy=policy),
-        CacheConfig(block_size=4),
-        cfg,
-        MAX_MODEL_LEN,
+    num_blocks = _min_blocks(specs) + extra_blocks
+    s, w, checker = make_engine(
+        *specs,
+        num_blocks=num_blocks,
+        max_model_len=MAX_MODEL_LEN,
+        cache=CacheConfig(block_size=4),
+        budget=budget,
+        max_num_seqs=max_seqs,
+        policy=policy,
     )
-    w = FakeWorker(cfg)
-    checker = Checker(s, w)
     n = 0
     siblings_added = 0  # n counts arrivals; a fork family is one arrival of several requests
     arrival_rank: dict[str, int] = {}
@@ -144,7 +144,7 @@ def test_random_operations_keep_the_invariants(layout, extra_blocks, budget, max
             checker.check()
         elif o[0] == "reset":
             ok = s.reset_prefix_cache()
-            assert ok == (s.kv_cache_manager.block_pool.get_num_free_blocks() == cfg.num_blocks - 1)
+            assert ok == (s.kv_cache_manager.block_pool.get_num_free_blocks() == num_blocks - 1)
             checker.check()
     # drain: every request must finish (no starvation, no livelock)
     for _ in range(40 * (n + siblings_added + 1)):

@@ -3,26 +3,24 @@
 from __future__ import annotations
 
 import pytest
-from core_sim import EOS, Checker, FakeWorker, attn, make_config, make_request, mamba, step
 
+from tests.fixtures.scheduler_sim import EOS, attn, make_engine, make_request, mamba, step
 from tokenos.config import CacheConfig, SchedulerConfig
 from tokenos.core.messages import EngineCoreRequest, EngineSamplingParams, FinishReason
 from tokenos.core.request import Request, RequestStatus
 from tokenos.core.sched.output import ModelRunnerOutput
-from tokenos.core.sched.scheduler import Scheduler
 
 
 def make(num_blocks=64, specs=None, max_model_len=64, caching=True, **sched_kw):
-    cfg = make_config(num_blocks, *(specs or (attn(4),)))
-    sched_kw.setdefault("max_num_batched_tokens", 16)
-    s = Scheduler(
-        SchedulerConfig(**sched_kw),
-        CacheConfig(block_size=4, enable_prefix_caching=caching),
-        cfg,
-        max_model_len,
+    return make_engine(
+        *(specs or (attn(4),)),
+        num_blocks=num_blocks,
+        max_model_len=max_model_len,
+        cache=CacheConfig(block_size=4, enable_prefix_caching=caching),
+        budget=sched_kw.pop("max_num_batched_tokens", 16),
+        max_num_seqs=sched_kw.pop("max_num_seqs", SchedulerConfig.max_num_seqs),
+        **sched_kw,
     )
-    w = FakeWorker(cfg)
-    return s, w, Checker(s, w)
 
 
 def canned(out, tokens_by_req):

@@ -6,26 +6,24 @@ from __future__ import annotations
 import random
 
 import pytest
-from core_sim import FINE_LAYOUTS, LAYOUTS, Checker, FakeWorker, make_config, make_request, step
 
-from tokenos.config import CacheConfig, SchedulerConfig
+from tests.fixtures.scheduler_sim import FINE_LAYOUTS, LAYOUTS, make_engine, make_request, step
+from tokenos.config import CacheConfig
 from tokenos.core.request import RequestStatus
-from tokenos.core.sched.scheduler import Scheduler
 
 
 def run_sim(
     layout, num_requests, num_blocks, seed, policy="fcfs", abort_every=0, check_every=1, budget=32, chat=False
 ):
     rng = random.Random(seed)
-    cfg = make_config(num_blocks, *LAYOUTS[layout]())
-    s = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, policy=policy),
-        CacheConfig(block_size=4, mamba_checkpoint_at_end=layout in FINE_LAYOUTS),
-        cfg,
+    s, w, checker = make_engine(
+        *LAYOUTS[layout](),
+        num_blocks=num_blocks,
         max_model_len=64,
+        cache=CacheConfig(block_size=4, mamba_checkpoint_at_end=layout in FINE_LAYOUTS),
+        budget=budget,
+        policy=policy,
     )
-    w = FakeWorker(cfg)
-    checker = Checker(s, w)
     prefixes = [[rng.randrange(1, 50) for _ in range(rng.randrange(4, 24))] for _ in range(6)]
     pending = []
     for i in range(num_requests):

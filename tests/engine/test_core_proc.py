@@ -1,8 +1,8 @@
 """The engine-core process boundary: real child process, real ZeroMQ sockets, a toy core.
 
-`EchoCore` stands in for tokenos.engine.core.EngineCore (same interface): each step it emits the
-next prompt token of every request, cycling, and finishes at max_tokens. It lives here, at module
-level, so the spawn-started child can unpickle its factory.
+`tests.fixtures.echo_core.EchoCore` stands in for tokenos.engine.core.EngineCore (same interface): each step
+it emits the next prompt token of every request, cycling, and finishes at max_tokens. It lives at module
+level in an importable package, so the spawn-started child can unpickle its factory.
 """
 
 from __future__ import annotations
@@ -17,13 +17,9 @@ import time
 
 import pytest
 
-from tokenos.core.messages import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    EngineSamplingParams,
-    FinishReason,
-)
+from tests.fixtures.echo_core import failing_factory, make_echo_core
+from tests.fixtures.servers import REPO
+from tokenos.core.messages import EngineCoreOutput, EngineCoreRequest, EngineSamplingParams, FinishReason
 from tokenos.engine.core_client import (
     AsyncEngineCoreClient,
     EngineDeadError,
@@ -32,61 +28,6 @@ from tokenos.engine.core_client import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class EchoCore:
-    def __init__(self, step_delay_s: float = 0.0, crash_on: int | None = None) -> None:
-        self.step_delay_s = step_delay_s
-        self.crash_on = crash_on
-        self.requests: dict[str, tuple[list[int], int, list[int]]] = {}
-        self.num_finished = 0
-
-    def add_request(self, req: EngineCoreRequest) -> None:
-        if not req.prompt_token_ids:
-            raise ValueError("prompt must not be empty")
-        if req.prompt_token_ids[0] == self.crash_on:
-            self.crash = True
-        max_tokens = req.sampling_params.max_tokens
-        self.requests[req.request_id] = (req.prompt_token_ids, max_tokens, [])
-
-    def abort_requests(self, ids: list[str]) -> None:
-        for rid in ids:
-            self.requests.pop(rid, None)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def step(self) -> EngineCoreOutputs:
-        if getattr(self, "crash", False):
-            raise RuntimeError("boom: the model exploded")
-        time.sleep(self.step_delay_s)
-        outs = []
-        for rid, (prompt, max_tokens, generated) in list(self.requests.items()):
-            generated.append(prompt[len(generated) % len(prompt)])
-            done = len(generated) >= max_tokens
-            reason = int(FinishReason.LENGTH) if done else None
-            outs.append(EngineCoreOutput(rid, [generated[-1]], finish_reason=reason))
-            if done:
-                del self.requests[rid]
-                self.num_finished += 1
-        return EngineCoreOutputs(outputs=outs, timestamp=time.time(), stats=self.get_stats())
-
-    def get_stats(self) -> dict:
-        return {"num_running": len(self.requests), "num_waiting": 0, "num_finished": self.num_finished}
-
-    def get_model_info(self) -> dict:
-        return {"model": "echo", "max_model_len": 128, "num_kv_tokens": 4096}
-
-    def reset_prefix_cache(self) -> bool:
-        return True
-
-
-def make_echo_core(**kwargs) -> EchoCore:
-    return EchoCore(**kwargs)
-
-
-def failing_factory() -> EchoCore:
-    raise FileNotFoundError("model 'no/such-model' not found")
 
 
 def request(rid: str, prompt: list[int], max_tokens: int) -> EngineCoreRequest:
@@ -252,8 +193,8 @@ def test_child_exits_when_its_parent_dies(tmp_path):
     script = textwrap.dedent(
         f"""
         import sys, time
-        sys.path.insert(0, {os.path.dirname(__file__)!r})
-        from test_core_proc import make_echo_core
+        sys.path.insert(0, {REPO!r})
+        from tests.fixtures.echo_core import make_echo_core
         from tokenos.engine.core_client import AsyncEngineCoreClient
         if __name__ == "__main__":
             client = AsyncEngineCoreClient(make_echo_core, heartbeat_interval_s=0.2)

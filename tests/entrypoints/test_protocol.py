@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.entrypoints.conftest import FakeTokenizer
+from tests.fixtures.tokenizers import FakeTokenizer
 from tokenos.core.validation import InvalidRequestError
 from tokenos.engine.input_processor import InputProcessor
 from tokenos.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest

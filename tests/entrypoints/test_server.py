@@ -8,118 +8,26 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+
+from tests.fixtures.checkpoints import save_served
+from tests.fixtures.servers import MAX_MODEL_LEN, Server, metric
 
 pytest.importorskip("tokenos.engine.async_llm")
 openai = pytest.importorskip("openai")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 API_KEY = "test-key"
-MAX_MODEL_LEN = 256
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from tokenos.engine.tokenizer import load_tokenizer
-
-    path = str(tmp_path_factory.mktemp("tiny-llama"))
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=8192,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
-    load_tokenizer(None).hf.save_pretrained(path)
-    return path
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A server subprocess; `stop()` always ends it (SIGTERM, then SIGKILL)."""
-
-    def __init__(self, model: str, *extra: str, max_model_len: int = MAX_MODEL_LEN) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "tokenos.entrypoints.openai.api_server",
-            model,
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--max-model-len",
-            str(max_model_len),
-            "--num-kv-blocks",
-            str(max_model_len // 16 + 16),
-            "--dtype",
-            "float32",
-            "--served-model-name",
-            "tiny",
-            *extra,
-        ]
-        env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(
-            cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-
-    def wait_ready(self, timeout_s: float = 180) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.proc.stdout.read()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("server did not become healthy")
-
-    def engine_core_pid(self) -> int:
-        with open(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children") as f:
-            children = [int(p) for p in f.read().split()]
-        for pid in children:
-            with open(f"/proc/{pid}/cmdline") as f:
-                if "spawn_main" in f.read():  # not the resource tracker, also a child
-                    return pid
-        raise LookupError(f"no engine-core child among {children}")
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.stdout.read()
+    """A tiny random-weight Llama with SmolLM2's tokenizer (tests.fixtures.checkpoints.SERVED_LLAMA)."""
+    return save_served("llama", str(tmp_path_factory.mktemp("tiny-llama")))
 
 
 @pytest.fixture(scope="module")
@@ -235,7 +143,7 @@ def test_disconnect_aborts_the_request_in_the_engine(server, client):
     deadline = time.monotonic() + 30
     running = None
     while time.monotonic() < deadline:
-        running = _metric(httpx.get(f"{server.url}/metrics").text, "tokenos:num_requests_running")
+        running = metric(httpx.get(f"{server.url}/metrics").text, "tokenos:num_requests_running")
         if running == 0:
             break
         time.sleep(0.1)
@@ -245,17 +153,10 @@ def test_disconnect_aborts_the_request_in_the_engine(server, client):
 
 def test_metrics(server):
     text = httpx.get(f"{server.url}/metrics").text
-    assert _metric(text, "tokenos:generation_tokens_total") > 0
-    assert _metric(text, 'tokenos:request_success_total{finished_reason="length"') > 0
-    assert _metric(text, "tokenos:time_to_first_token_seconds_count") > 0
-    assert _metric(text, "tokenos:prefix_cache_queries_total") > 0
-
-
-def _metric(text: str, prefix: str) -> float:
-    for line in text.splitlines():
-        if line.startswith(prefix):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    assert metric(text, "tokenos:generation_tokens_total") > 0
+    assert metric(text, 'tokenos:request_success_total{finished_reason="length"') > 0
+    assert metric(text, "tokenos:time_to_first_token_seconds_count") > 0
+    assert metric(text, "tokenos:prefix_cache_queries_total") > 0
 
 
 def test_engine_death_fails_requests_and_exits_nonzero(tiny_llama):

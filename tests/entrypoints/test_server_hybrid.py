@@ -9,7 +9,8 @@ import random
 import httpx
 import pytest
 
-from tests.entrypoints.test_server import Server, _metric
+from tests.fixtures.checkpoints import save_served
+from tests.fixtures.servers import Server, metric
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -18,13 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 def tiny_hybrid(request, tmp_path_factory) -> str:
     """The tiny model of the model tests, one per kind (pure Mamba2, attention + Mamba2, gated
     DeltaNet + gated attention + MoE), with the real tokenizer's vocabulary."""
-    from tests.models.test_hybrid_models import save_tiny
-    from tokenos.engine.tokenizer import load_tokenizer
-
-    path = str(tmp_path_factory.mktemp(f"tiny-{request.param}"))
-    save_tiny(request.param, path, perturb=False, vocab_size=49152)
-    load_tokenizer(None).hf.save_pretrained(path)
-    return path
+    return save_served(request.param, str(tmp_path_factory.mktemp(f"tiny-{request.param}")))
 
 
 def test_hybrid_served_matches_offline_and_hits_checkpoints(tiny_hybrid):
@@ -43,7 +38,7 @@ def test_hybrid_served_matches_offline_and_hits_checkpoints(tiny_hybrid):
             assert r.status_code == 200, r.text
             served.append(r.json()["choices"][0]["text"])
         metrics = httpx.get(f"{server.url}/metrics").text
-        assert _metric(metrics, "tokenos:prefix_cache_hits_total") > 0
+        assert metric(metrics, "tokenos:prefix_cache_hits_total") > 0
     finally:
         server.stop()
     llm = LLM(tiny_hybrid, dtype="float32", max_model_len=256)

@@ -7,12 +7,18 @@ differently): full prefill, odd-sized splits, decode, mixed batches over a state
 import pytest
 import torch
 from transformers import Mamba2Config
-from transformers.cache_utils import DynamicCache
 from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2Mixer
 
-from tests.layers.recurrent_harness import check_split_prefill_equals_one_pass, nan_states, run
+from tests.fixtures.recurrent import (
+    check_checkpoints_equal_split_states_and_resume,
+    check_full_prefill_matches,
+    check_mixed_batch_over_pool_equals_each_alone,
+    check_prefill_then_decode_matches,
+    check_split_prefill_equals_one_pass,
+    nan_states,
+    run,
+)
 from tokenos.layers.mamba2 import Mamba2Dims, Mamba2Mixer
-from tokenos.layers.recurrent_batch import RecurrentBatch
 
 ATOL = 1e-4
 HIDDEN = 16
@@ -59,33 +65,15 @@ def fresh_states(config: Mamba2Config, n: int) -> tuple[torch.Tensor, torch.Tens
     return nan_states(state_shapes(config), n)
 
 
-def hf_with_cache(
-    hf: HFMamba2Mixer, config: Mamba2Config, x: torch.Tensor
-) -> tuple[torch.Tensor, DynamicCache]:
-    cache = DynamicCache(config=config)
-    return hf(x, cache=cache), cache
-
-
 def test_state_shapes_and_dims(config: Mamba2Config) -> None:
     dims = Mamba2Dims.from_config(config)
     assert dims.conv_dim == 2 * HIDDEN + 2 * 2 * 8
     assert state_shapes(config) == ((3, dims.conv_dim), (4, 8, 8))
 
 
-@torch.no_grad()
 def test_full_prefill_matches_transformers(config, layers) -> None:
     hf, ours = layers
-    torch.manual_seed(1)
-    x = torch.randn(2, 37, HIDDEN)
-    ref, cache = hf_with_cache(hf, config, x)
-    # NaN-filled states prove has_initial_state=False never reads the slot.
-    conv, ssm = fresh_states(config, 2)
-    outs = run(ours, [x[0], x[1]], conv, ssm, [False, False])
-    for b in range(2):
-        torch.testing.assert_close(outs[b], ref[b], atol=ATOL, rtol=0)
-    # Our conv state is transformers' last K-1 inputs, token-major.
-    torch.testing.assert_close(conv, cache.get_conv_state(0)[..., 1:].transpose(1, 2), atol=ATOL, rtol=0)
-    torch.testing.assert_close(ssm, cache.get_recurrent_state(0), atol=ATOL, rtol=0)
+    check_full_prefill_matches(hf, ours, config, state_shapes(config), HIDDEN, 37, seed=1, atol=ATOL)
 
 
 @torch.no_grad()
@@ -107,92 +95,24 @@ def test_split_prefill_equals_one_pass(config, layers, pieces) -> None:
     check_split_prefill_equals_one_pass(layers[1], state_shapes(config), HIDDEN, pieces, seed=2, atol=ATOL)
 
 
-@torch.no_grad()
 def test_prefill_then_decode_matches_transformers(config, layers) -> None:
     hf, ours = layers
-    torch.manual_seed(3)
-    prompt, steps = 11, 6
-    x = torch.randn(1, prompt + steps, HIDDEN)
-    full = hf(x)
-    hf_out, cache = hf_with_cache(hf, config, x[:, :prompt])
-    conv, ssm = fresh_states(config, 1)
-    ours_out = [run(ours, [x[0, :prompt]], conv, ssm, [False])[0]]
-    hf_steps = [hf_out[0]]
-    for t in range(prompt, prompt + steps):
-        ours_out.append(run(ours, [x[0, t : t + 1]], conv, ssm, [True])[0])
-        hf_steps.append(hf(x[:, t : t + 1], cache=cache)[0])
-    torch.testing.assert_close(torch.cat(ours_out), full[0], atol=ATOL, rtol=0)
-    torch.testing.assert_close(torch.cat(ours_out), torch.cat(hf_steps), atol=ATOL, rtol=0)
-    torch.testing.assert_close(ssm, cache.get_recurrent_state(0), atol=ATOL, rtol=0)
+    shapes = state_shapes(config)
+    check_prefill_then_decode_matches(hf, ours, config, shapes, HIDDEN, 11, 6, seed=3, atol=ATOL)
 
 
-@torch.no_grad()
 def test_mixed_batch_over_pool_equals_each_alone(config, layers) -> None:
-    _, ours = layers
-    torch.manual_seed(4)
-    conv_shape, ssm_shape = state_shapes(config)
-    lengths = [1, 23, 0, 1, 9, 2, 40]
-    has_init = [True, True, True, False, False, True, True]
-    seqs = [torch.randn(n, HIDDEN) for n in lengths]
     # A pool of 10 slots; requests live at scattered slots, the rest must stay untouched.
-    pool_conv, pool_ssm = torch.randn(10, *conv_shape), 0.5 * torch.randn(10, *ssm_shape)
-    slots = [7, 2, 5, 0, 9, 4, 1]
-    expect = []
-    for i, s in enumerate(seqs):
-        conv, ssm = pool_conv[slots[i] : slots[i] + 1].clone(), pool_ssm[slots[i] : slots[i] + 1].clone()
-        out = run(ours, [s], conv, ssm, [has_init[i]])[0] if len(s) else s
-        expect.append((out, conv[0], ssm[0]))
-    untouched = (pool_conv[[3, 6, 8]].clone(), pool_ssm[[3, 6, 8]].clone())
-    outs = run(ours, seqs, pool_conv, pool_ssm, has_init, state_indices=slots)
-    for i, (out, conv, ssm) in enumerate(expect):
-        torch.testing.assert_close(outs[i], out, atol=ATOL, rtol=0)
-        torch.testing.assert_close(pool_conv[slots[i]], conv, atol=ATOL, rtol=0)
-        torch.testing.assert_close(pool_ssm[slots[i]], ssm, atol=ATOL, rtol=0)
-    assert torch.equal(pool_conv[[3, 6, 8]], untouched[0]) and torch.equal(pool_ssm[[3, 6, 8]], untouched[1])
+    shapes = state_shapes(config)
+    check_mixed_batch_over_pool_equals_each_alone(layers[1], shapes, HIDDEN, 0.5, seed=4, atol=ATOL)
 
 
-@torch.no_grad()
 @pytest.mark.parametrize("every", [8, 12, 4])
 def test_checkpoints_equal_split_states_and_resume(config, layers, every) -> None:
-    _, ours = layers
-    torch.manual_seed(5)
     # Two requests resuming mid-sequence (5 and 16 tokens already folded in) plus one decode.
-    starts, lengths = [5, 16, 11], [30, 17, 1]
-    seqs = [torch.randn(n, HIDDEN) for n in lengths]
-    conv_shape, ssm_shape = state_shapes(config)
-    conv0, ssm0 = torch.randn(3, *conv_shape), 0.5 * torch.randn(3, *ssm_shape)
-    conv, ssm = conv0.clone(), ssm0.clone()
-    qsl = torch.tensor([0] + lengths).cumsum(0)
-    batch = RecurrentBatch(qsl, torch.ones(3, dtype=torch.bool), num_computed_tokens=torch.tensor(starts))
-    out, ckpt = ours.advance_with_checkpoints(torch.cat(seqs), batch, conv, ssm, every)
-    expect = [
-        (r, p) for r in range(3) for p in range(starts[r] + 1, starts[r] + lengths[r] + 1) if p % every == 0
-    ]
-    assert [(int(r), int(p)) for r, p in zip(ckpt.req_indices, ckpt.num_tokens, strict=True)] == expect
-    # Checkpointing changes neither outputs nor final states.
-    conv2, ssm2 = conv0.clone(), ssm0.clone()
-    plain = ours.advance(torch.cat(seqs), batch, conv2, ssm2)
-    torch.testing.assert_close(out, plain, atol=ATOL, rtol=0)
-    torch.testing.assert_close(ssm, ssm2, atol=ATOL, rtol=0)
-    torch.testing.assert_close(conv, conv2, atol=ATOL, rtol=0)
-    outs = list(out.split(lengths))
-    for i, (r, pos) in enumerate(expect):
-        # The state after pos tokens equals the state of a run that stops there...
-        n = pos - starts[r]
-        c, s = conv0[r : r + 1].clone(), ssm0[r : r + 1].clone()
-        run(ours, [seqs[r][:n]], c, s, [True])
-        torch.testing.assert_close(ckpt.conv_states[i], c[0], atol=ATOL, rtol=0)
-        torch.testing.assert_close(ckpt.recurrent_states[i], s[0], atol=ATOL, rtol=0)
-        # ...and resuming from the snapshot reproduces the rest of the request.
-        if n < lengths[r]:
-            rest = run(
-                ours,
-                [seqs[r][n:]],
-                ckpt.conv_states[i : i + 1].clone(),
-                ckpt.recurrent_states[i : i + 1].clone(),
-                [True],
-            )[0]
-            torch.testing.assert_close(rest, outs[r][n:], atol=ATOL, rtol=0)
+    check_checkpoints_equal_split_states_and_resume(
+        layers[1], state_shapes(config), HIDDEN, 0.5, [5, 16, 11], [30, 17, 1], every, seed=5, atol=ATOL
+    )
 
 
 @torch.no_grad()

@@ -1,10 +1,13 @@
-"""Our models vs transformers on the same tiny random weights, over the paged KV cache."""
+"""Our dense models vs transformers on the same tiny random weights, over the engine's paged pool
+(`tests.fixtures.paged_runner.PagedRunner`, the runner of the hybrid tests too, with shuffled blocks)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from tests.fixtures.checkpoints import load_ours
+from tests.fixtures.paged_runner import PagedRunner, assert_close_logits, hf_logits
 from tokenos.config import CacheConfig
 
 CASES = {
@@ -33,39 +36,40 @@ PROMPT = [(i * 37 + 11) % 120 + 3 for i in range(45)]
 
 
 @pytest.fixture(params=list(CASES))
-def case(request, make_checkpoint, load_ours):
+def case(request, make_checkpoint):
     family, overrides = CASES[request.param]
     folder, reference = make_checkpoint(family, **overrides)
     model, config = load_ours(folder)
     return model, config, reference
 
 
-def test_full_prefill_matches(case, parity):
+def test_full_prefill_matches(case):
     model, config, reference = case
-    runner = parity.runner(model, config, block_size=16)
+    runner = PagedRunner(model, block_size=16)
     runner.step([(0, PROMPT)])
-    parity.assert_close(runner.request_logits(0), parity.logits(reference, PROMPT))
+    assert_close_logits(runner.request_logits(0), hf_logits(reference, PROMPT))
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-def test_chunked_prefill_then_decode_matches(case, parity, block_size):
+def test_chunked_prefill_then_decode_matches(case, block_size):
     model, config, reference = case
-    runner = parity.runner(model, config, block_size=block_size, seed=block_size)
+    runner = PagedRunner(model, block_size=block_size, seed=block_size)
     start = 0
     for size in (7, 13, 1, 9):  # odd chunks, one of them a single token
         runner.step([(0, PROMPT[start : start + size])])
         start += size
     for token in PROMPT[start:]:  # the rest as decode steps
         runner.step([(0, [token])])
-    parity.assert_close(runner.request_logits(0), parity.logits(reference, PROMPT))
+    assert_close_logits(runner.request_logits(0), hf_logits(reference, PROMPT))
 
 
-def test_mixed_batch_matches(case, parity):
+def test_mixed_batch_matches(case):
     """Prefill chunks and decodes of several requests in the same forward, in mixed order."""
     model, config, reference = case
     prompts = {r: [(t * (r + 2) + r) % 125 + 2 for t in PROMPT[: 20 + 7 * r]] for r in range(4)}
     schedule = {0: [5, 9, 1, 1, 1], 1: [12, 1, 1, 3, 1], 2: [1, 17, 2, 1, 1], 3: [26, 1, 1, 12, 1]}
-    runner = parity.runner(model, config, block_size=16, num_blocks=32, seed=3)
+    # 32 blocks: a pool the engine would size for a 64-token context (the longest request has 41).
+    runner = PagedRunner(model, block_size=16, num_blocks=32, seed=3, max_model_len=64)
     done = dict.fromkeys(prompts, 0)
     for step in range(5):
         order = [3, 1, 0, 2] if step % 2 else [0, 2, 3, 1]
@@ -76,7 +80,7 @@ def test_mixed_batch_matches(case, parity):
             done[r] += n
         runner.step(work)
     for r, prompt in prompts.items():
-        parity.assert_close(runner.request_logits(r), parity.logits(reference, prompt[: done[r]]))
+        assert_close_logits(runner.request_logits(r), hf_logits(reference, prompt[: done[r]]))
 
 
 def test_kv_cache_spec_names_and_windows(case):
@@ -90,14 +94,14 @@ def test_kv_cache_spec_names_and_windows(case):
         assert type(spec) is expected
 
 
-def test_bfloat16_close_to_float32(make_checkpoint, load_ours, parity):
+def test_bfloat16_close_to_float32(make_checkpoint):
     folder, _ = make_checkpoint("llama")
     ours32, config32 = load_ours(folder)
     ours16, config16 = load_ours(folder, dtype="bfloat16")
     assert config16.dtype == torch.bfloat16
-    run32 = parity.runner(ours32, config32, block_size=16)
-    run16 = parity.runner(ours16, config16, block_size=16)
+    run32 = PagedRunner(ours32, block_size=16)
+    run16 = PagedRunner(ours16, block_size=16)
     for runner in (run32, run16):
         runner.step([(0, PROMPT[:30])])
         runner.step([(0, PROMPT[30:31])])
-    parity.assert_close(run16.request_logits(0), run32.request_logits(0), rel=0.1)
+    assert_close_logits(run16.request_logits(0), run32.request_logits(0), rel=0.1)

@@ -15,7 +15,8 @@ import contextlib
 import pytest
 import torch
 
-from tests.models.test_hybrid_models import PoolRunner, prompt, save_tiny
+from tests.fixtures.checkpoints import save_tiny
+from tests.fixtures.paged_runner import PagedRunner, random_tokens
 from tokenos.layers.recurrent_batch import RecurrentBatch
 from tokenos.models import build_model, load_model_config
 
@@ -100,10 +101,10 @@ def every_expert_routed(*models: torch.nn.Module):
 def test_logits_as_close_to_float32_as_transformers_bf16(models):
     """No discrete near-tie routing flips (every expert routed); chunked prefill, then decode."""
     ours, ref16, ref = models
-    tokens = prompt(3, 50)
+    tokens = random_tokens(3, 50)
     ids = torch.tensor([tokens])
     with every_expert_routed(ours, ref16, ref):
-        runner = PoolRunner(ours, seed=1)
+        runner = PagedRunner(ours, seed=1)
         for a, b in ((0, 29), (29, 48), (48, 49), (49, 50)):
             runner.step([("a", tokens[a:b])])
         got = runner.request_logits("a").float()

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from tests.fixtures.paged_runner import PagedRunner, check_request, decode_greedy
 from tokenos.models import build_model, default_model_path, load_model_config
 
 pytestmark = pytest.mark.skipif(
@@ -51,18 +52,14 @@ def transformers_reference(path: str) -> torch.nn.Module:
 
 
 @pytest.mark.slow
-def test_smollm2_matches_transformers(parity):
+def test_smollm2_matches_transformers():
     path = default_model_path()
     config = load_model_config(path, dtype="float32", max_model_len=512)
     ours = build_model(config)
     reference = transformers_reference(path)
 
-    runner = parity.runner(ours, config, block_size=16, num_blocks=8)
-    tokens = list(PROMPT)
-    runner.step([(0, tokens)])
-    for _ in range(8):  # greedy decode
-        tokens.append(int(runner.logits[0][-1][-1].argmax()))
-        runner.step([(0, tokens[-1:])])
-    ref = parity.logits(reference, tokens)
-    parity.assert_close(runner.request_logits(0), ref, rel=1e-3)
-    assert ref[len(PROMPT) - 1 : -1].argmax(-1).tolist() == tokens[len(PROMPT) :]
+    runner = PagedRunner(ours, block_size=16, num_blocks=8, max_model_len=len(PROMPT) + 8)
+    runner.step([(0, list(PROMPT))])
+    decode_greedy(runner, [0], 8)
+    # Every position within 1e-3 of transformers, and each greedy token transformers' argmax too.
+    check_request(runner, reference, 0, rel=1e-3)

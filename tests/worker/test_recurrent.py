@@ -1,4 +1,5 @@
-"""tokenos/worker/recurrent.py: running columns, per-step RecurrentBatch, state copies over a real pool."""
+"""tokenos/worker/recurrent.py: running columns, per-step RecurrentBatch, state copies over a real pool, and
+the speculative rollback API on a real Mamba2 mixer."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.fixtures.checkpoints import hf_config
 from tokenos.core.kv_cache.spec import FullAttentionSpec, MambaSpec, get_kv_cache_config
 from tokenos.worker.kv_cache import allocate_kv_caches
 from tokenos.worker.recurrent import (
@@ -13,6 +15,9 @@ from tokenos.worker.recurrent import (
     boundary_pages,
     build_recurrent_batch,
     group_layer_indices,
+    readvance_batch,
+    restore_checkpoint,
+    rollback,
     running_block_ids,
     running_column,
 )
@@ -125,3 +130,39 @@ def test_apply_state_copies_rejects_null_block(pool) -> None:
     g = min(groups)
     with pytest.raises(ValueError, match="null block"):
         apply_state_copies({"a": {g: (0, 1)}}, lambda r, _: [0, 4], groups, caches)
+
+
+def test_rollback_restores_checkpoint_and_readvances_accepted_tokens():
+    """Speculative decoding on a Mamba2 mixer over a paged state pool: advance 6 draft tokens from a
+    checkpoint, accept 2, roll back; the state and outputs equal a straight run over the accepted tokens."""
+    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2Mixer
+
+    from tokenos.layers.mamba2 import Mamba2Mixer
+
+    torch.manual_seed(0)
+    config = hf_config("mamba2")  # the tiny Mamba2 of the model tests (hidden size 16)
+    hf = HFMamba2Mixer(config, layer_idx=0).eval()
+    with torch.no_grad():
+        hf.D.copy_(torch.randn_like(hf.D))
+        hf.conv1d.bias.copy_(0.2 * torch.randn_like(hf.conv1d.bias))
+    mixer = Mamba2Mixer(config)
+    mixer.load_weights(hf.state_dict().items())
+    shapes, _ = Mamba2Mixer.state_shapes(config)
+    pools = [torch.zeros(6, *s) for s in shapes]  # pages 1..5; 0 is the null block
+    layer_caches = [pools]
+    x = torch.randn(20, 16)
+    accepted, drafts = x[11:13], torch.randn(6, 16)
+
+    def advance(inputs, batch):
+        return mixer.advance(inputs, batch, *pools)
+
+    with torch.no_grad():
+        straight = advance(x[:13], readvance_batch(0, 13, 1))  # page 1: the reference
+        advance(x[:11], readvance_batch(0, 11, 2))  # page 2: the checkpoint after 11 tokens
+        restore_checkpoint(layer_caches, 2, 3)  # page 3: the running page, speculating
+        advance(torch.cat([accepted[:1], drafts]), readvance_batch(11, 7, 3))
+        out = rollback(layer_caches, 2, 3, 11, accepted, advance)
+    assert torch.allclose(out, straight[11:13], atol=1e-5)
+    for pool in pools:
+        assert torch.allclose(pool[3], pool[1], atol=1e-5)
+        assert not torch.equal(pool[2], pool[1])  # the checkpoint itself is untouched

@@ -6,50 +6,18 @@ from __future__ import annotations
 
 import random
 
-import torch
+import pytest
 
-from tests.llm.recording import forked_counts
-from tests.models.test_hybrid_models import VOCAB
-from tokenos import LLM, SamplingParams
+from tests.fixtures.llm import HYBRID, forked_counts, make_llm
 from tokenos.bench.recording import record_schedules
 
-MAX_TOKENS = 8
+# Greedy tokens identical to transformers' (recomputed without a cache), logprobs within 1e-3.
+prompts_of, run, check = HYBRID.prompts, HYBRID.run, HYBRID.check
 
-
-@torch.no_grad()
-def hf_greedy(ref, prompt: list[int]) -> tuple[list[int], list[float]]:
-    tokens, logprobs = list(prompt), []
-    for _ in range(MAX_TOKENS):
-        logits = ref(torch.tensor([tokens]), use_cache=False).logits[0, -1].float()
-        nxt = int(logits.argmax())
-        logprobs.append(torch.log_softmax(logits, -1)[nxt].item())
-        tokens.append(nxt)
-    return tokens[len(prompt) :], logprobs
-
-
-def prompts_of(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def run(llm: LLM, prompts: list[list[int]], n: int = 1):
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, n=n)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-
-def check(outputs, prompts, ref) -> None:
-    for out, prompt in zip(outputs, prompts, strict=True):
-        ref_tokens, ref_logprobs = hf_greedy(ref, prompt)
-        for completion in out.outputs:
-            assert completion.token_ids == ref_tokens
-            ours = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
-            assert max(abs(a - b) for a, b in zip(ours, ref_logprobs, strict=True)) < 1e-3
-
-
-def make_llm(folder: str, **kwargs) -> LLM:
-    kwargs.setdefault("dtype", "float32")
-    kwargs.setdefault("max_model_len", 256)
-    return LLM(folder, skip_tokenizer_init=True, **kwargs)
+# End to end for five families, each test a few engines: the fast loop has the model-level parity
+# of every family in tests/models instead.
+pytestmark = pytest.mark.slow
+MAX_TOKENS = HYBRID.max_tokens
 
 
 def test_chunked_mixed_batch(hybrid):

@@ -1,15 +1,18 @@
-"""`tokenos bench serve`: datasets, arrival process, statistics, and one run against a live server."""
+"""`tokenos bench serve` (tokenos/bench/serve.py): datasets, arrival process, statistics, and one run
+against a live server over the fake engine."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import math
-import time
+import statistics
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from tests.fixtures.fakes import FakeEngine
 from tokenos.bench import serve as bench
 from tokenos.bench.serve import RequestResult
 
@@ -75,28 +78,57 @@ def test_workload_file(tmp_path):
     assert len(bench.load_workload(str(path), num_prompts=1)) == 1
 
 
-def test_poisson_arrivals_average_the_rate():
+def test_poisson_arrivals_average_the_rate(monkeypatch):
+    """The generator's waits, with its sleep stubbed (a wait counts only once it is really awaited)."""
     requests = bench.random_dataset(40, 1, 1)
+    waits: list[tuple[int, float]] = []  # (requests yielded so far, delay) per awaited sleep
+    yielded: list = []
 
-    async def gaps():
-        times = []
-        async for _ in bench.arrivals(requests, rate=400.0, seed=3):
-            times.append(time.perf_counter())
-        return times[-1] - times[0]
+    async def sleep(delay: float) -> None:
+        waits.append((len(yielded), delay))
 
-    # 39 exponential gaps of mean 2.5 ms (sleep only adds): well under a second, over 50 ms.
-    assert 0.05 < asyncio.run(gaps()) < 1.0
+    monkeypatch.setattr(bench, "asyncio", SimpleNamespace(sleep=sleep))
 
-    async def instant():
-        return [r async for r in bench.arrivals(requests, rate=math.inf)]
+    async def collect(reqs, rate, seed):
+        async for request in bench.arrivals(reqs, rate=rate, seed=seed):
+            yielded.append(request)
 
-    assert len(asyncio.run(instant())) == 40
+    def arrivals(reqs, rate, seed=0) -> tuple[list, list[float], list[int]]:
+        """(what it yielded, the delays it waited for, how many it had yielded at each wait)"""
+        waits.clear()
+        yielded.clear()
+        asyncio.run(collect(reqs, rate, seed))
+        return list(yielded), [d for _, d in waits], [n for n, _ in waits]
+
+    got, delays, after = arrivals(requests, rate=400.0, seed=3)
+    assert got == requests  # every request, in order
+    assert after == list(range(1, 40))  # one wait between consecutive requests, none after the last
+    # 39 exponential gaps of mean 2.5 ms: together well under a second, over 50 ms.
+    assert all(d > 0 for d in delays) and 0.05 < sum(delays) < 1.0
+    assert arrivals(requests, rate=400.0, seed=3)[1] == delays  # reproducible for a seed
+    assert arrivals(requests, rate=400.0, seed=4)[1] != delays
+
+    # The gaps are exponential with mean 1 / rate: over 4000 of them, the mean, the coefficient of
+    # variation (1 for an exponential) and the empirical CDF at 0.5, 1, 2 and 3 means.
+    rate = 50.0
+    _, gaps, _ = arrivals(list(range(4001)), rate=rate, seed=7)
+    assert len(gaps) == 4000
+    mean = statistics.fmean(gaps)
+    assert abs(mean * rate - 1) < 0.05
+    assert abs(statistics.pstdev(gaps) / mean - 1) < 0.05
+    for x in (0.5, 1.0, 2.0, 3.0):
+        cdf = sum(g < x / rate for g in gaps) / len(gaps)
+        assert abs(cdf - (1 - math.exp(-x))) < 0.03, (x, cdf)
+
+    # An infinite rate never waits.
+    got, delays, _ = arrivals(requests, rate=math.inf)
+    assert got == requests and delays == []
 
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("stream", [True, False])
-def test_bench_against_a_live_server(live_server, fake_engine_class, capsys, stream):
-    engine = fake_engine_class(max_model_len=4096, vocab_size=49152)
+def test_bench_against_a_live_server(live_server, capsys, stream):
+    engine = FakeEngine(max_model_len=4096, vocab_size=49152)
     url = live_server(engine, api_key="k")
     argv = [
         "--base-url",

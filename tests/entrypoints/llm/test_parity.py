@@ -8,37 +8,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.llm.conftest import build_tiny, hf_greedy, random_prompts
-from tests.llm.recording import forked_counts
+from tests.fixtures.checkpoints import LLM_SHAPE, save_tiny
+from tests.fixtures.llm import DENSE, forked_counts, make_llm
 from tokenos import LLM, SamplingParams
 from tokenos.bench.recording import record_schedules
 
-MAX_TOKENS = 10
+# Greedy tokens identical to transformers' `generate`, logprobs within 1e-3.
+random_prompts, run_ours, check_parity = DENSE.prompts, DENSE.run, DENSE.check
+
+# Marked slow: the scheduling-path and family sweeps (an engine or more each). Unmarked, in the fast
+# loop: parity under preemption and the input errors, one engine each.
 
 
-def run_ours(llm: LLM, prompts: list[list[int]], n: int = 1):
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, n=n)
-    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-
-
-def check_parity(outputs, prompts, ref_model) -> None:
-    for out, prompt in zip(outputs, prompts, strict=True):
-        ref_tokens, ref_logprobs = hf_greedy(ref_model, prompt, MAX_TOKENS)
-        for completion in out.outputs:
-            assert completion.token_ids == ref_tokens, f"prompt of {len(prompt)} tokens diverged"
-            ours = [completion.logprobs[i][t].logprob for i, t in enumerate(completion.token_ids)]
-            for a, b in zip(ours, ref_logprobs, strict=True):
-                assert abs(a - b) < 1e-3, (a, b)
-            assert completion.finish_reason == "length"
-
-
-def make_llm(folder: str, **kwargs) -> LLM:
-    kwargs.setdefault("dtype", "float32")
-    kwargs.setdefault("skip_tokenizer_init", True)
-    kwargs.setdefault("max_model_len", 256)
-    return LLM(folder, **kwargs)
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "block_size,budget",
     [(16, 2048), (32, 2048), (16, 24), (32, 7)],
@@ -51,6 +33,7 @@ def test_mixed_batch_parity(tiny_llama, block_size, budget):
     check_parity(run_ours(llm, prompts), prompts, ref)
 
 
+@pytest.mark.slow
 def test_prefix_cache_hits_keep_parity(tiny_llama):
     folder, ref = tiny_llama
     shared = random_prompts(1, 50, 50, seed=7)[0]
@@ -78,6 +61,7 @@ def test_preemption_keeps_parity(tiny_llama):
     check_parity(outputs, prompts, ref)
 
 
+@pytest.mark.slow
 def test_n_greater_than_one_shares_prompt(tiny_llama):
     folder, ref = tiny_llama
     prompts = random_prompts(2, 40, 60, seed=3)
@@ -91,6 +75,7 @@ def test_n_greater_than_one_shares_prompt(tiny_llama):
     assert forked_counts(scheduled) == sorted(2 * [len(p) - 1 for p in prompts])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family,overrides",
     [
@@ -104,12 +89,13 @@ def test_n_greater_than_one_shares_prompt(tiny_llama):
 )
 def test_families_parity(tmp_path, family, overrides):
     folder = str(tmp_path / family)
-    ref = build_tiny(folder, family, **overrides)
+    ref = save_tiny(family, folder, perturbed=False, **LLM_SHAPE, **overrides)
     prompts = random_prompts(4, 5, 60, seed=5)
     llm = make_llm(folder, block_size=16, max_num_batched_tokens=32)
     check_parity(run_ours(llm, prompts), prompts, ref)
 
 
+@pytest.mark.slow
 def test_seeded_sampling_reproducible(tiny_llama):
     folder, _ = tiny_llama
     prompts = random_prompts(3, 10, 30, seed=9)

@@ -1,4 +1,5 @@
-"""Config resolution and weight loading: formats, sharding, errors a user can cause."""
+"""Weight loading (tokenos/model_loader): safetensors (single and sharded), GGUF files and names, and the
+errors a user can cause."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.fixtures.checkpoints import save_tiny
+from tests.fixtures.paged_runner import PagedRunner, assert_close_logits, hf_logits
 from tokenos.model_loader.gguf_loader import hf_name, unpermute_qk
 from tokenos.models import build_model, load_model_config
 
 
-def test_sharded_checkpoint_loads_like_single(make_checkpoint, tmp_path, parity):
+def test_sharded_checkpoint_loads_like_single(make_checkpoint, tmp_path):
     folder, reference = make_checkpoint("qwen2")
     sharded = str(tmp_path / "sharded")
     reference.save_pretrained(sharded, max_shard_size="200KB")
@@ -20,47 +23,10 @@ def test_sharded_checkpoint_loads_like_single(make_checkpoint, tmp_path, parity)
         assert len(set(json.load(f)["weight_map"].values())) > 1
     config = load_model_config(sharded, dtype="float32")
     model = build_model(config)
-    runner = parity.runner(model, config, block_size=16)
+    runner = PagedRunner(model, block_size=16)
     prompt = list(range(3, 30))
     runner.step([(0, prompt)])
-    parity.assert_close(runner.request_logits(0), parity.logits(reference, prompt))
-
-
-def test_config_fields(make_checkpoint):
-    folder, _ = make_checkpoint("mistral", sliding_window=8, eos_token_id=[2, 5])
-    config = load_model_config(folder, max_model_len=100)
-    assert config.architecture == "MistralForCausalLM" and config.max_model_len == 100
-    assert config.layer_sliding_windows == (8, 8) and config.eos_token_ids == (2, 5)
-    assert (config.num_key_value_heads, config.head_dim, config.dtype) == (2, 16, torch.float32)
-    with pytest.raises(ValueError, match="max_model_len"):
-        load_model_config(folder, max_model_len=10**6)
-    with pytest.raises(ValueError, match="dtype"):
-        load_model_config(folder, dtype="int8")
-
-
-def test_legacy_rope_keys(make_checkpoint):
-    folder, _ = make_checkpoint("llama")
-    with open(f"{folder}/config.json") as f:
-        raw = json.load(f)
-    raw.pop("rope_parameters")
-    raw["rope_theta"] = 5000.0
-    raw["rope_scaling"] = {"type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                           "original_max_position_embeddings": 32}  # fmt: skip
-    with open(f"{folder}/config.json", "w") as f:
-        json.dump(raw, f)
-    config = load_model_config(folder)
-    assert config.rope_theta == 5000.0 and config.rope_scaling["rope_type"] == "llama3"
-
-
-def test_unsupported_architecture_lists_supported(make_checkpoint):
-    folder, _ = make_checkpoint("llama")
-    with open(f"{folder}/config.json") as f:
-        raw = json.load(f)
-    raw["architectures"] = ["GPT2LMHeadModel"]
-    with open(f"{folder}/config.json", "w") as f:
-        json.dump(raw, f)
-    with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):
-        load_model_config(folder)
+    assert_close_logits(runner.request_logits(0), hf_logits(reference, prompt))
 
 
 def test_missing_weight_is_an_error(make_checkpoint, tmp_path):
@@ -123,10 +89,9 @@ def test_gguf_file_matches_gguf_reader(tmp_path):
 def test_qwen3_next_skips_multi_token_prediction_weights(tmp_path):
     """Released Qwen3-Next checkpoints carry ``mtp.*`` tensors the model does not run: skipped. A
     tensor no parameter claims anywhere else is still an error."""
-    from tests.models.test_hybrid_models import save_tiny
     from tokenos.model_loader.loader import iter_checkpoint_weights, load_weights
 
-    save_tiny("qwen3_next", str(tmp_path), perturb=False)
+    save_tiny("qwen3_next", str(tmp_path), perturbed=False)
     config = load_model_config(str(tmp_path), dtype="float32", max_model_len=64)
     model = build_model(config, load=False)
     extra = [("mtp.fc.weight", torch.zeros(4, 4)), ("mtp.layers.0.mlp.gate.weight", torch.zeros(2, 4))]

@@ -1,7 +1,8 @@
 """Hybrid prefix caching beyond vLLM, end to end through `LLM` against transformers greedy:
 checkpoints every C tokens independent of the attention page (a shared system prompt hits), exact
-end-of-request checkpoints (a three-turn chat resumes each turn from the whole previous one),
-preemption resuming from the latest checkpoint, and the recurrent rollback API.
+end-of-request checkpoints (a three-turn chat resumes each turn from the whole previous one), and
+preemption resuming from the latest checkpoint. (The recurrent rollback API is tested in
+tests/worker/test_recurrent.py.)
 
 Hit rates are printed (run with -s): prefix_cache_hits / prefix_cache_queries, in tokens."""
 
@@ -9,12 +10,18 @@ from __future__ import annotations
 
 import random
 
-import torch
+import pytest
 
-from tests.llm.test_hybrid_parity import check, hf_greedy, make_llm, prompts_of, run
-from tests.models.test_hybrid_models import VOCAB
+from tests.fixtures.checkpoints import VOCAB
+from tests.fixtures.llm import HYBRID, make_llm
 
 INTERVAL = 8  # tokens per recurrent checkpoint (the tiny models' attention pages are larger or equal)
+# Greedy tokens identical to transformers' (recomputed without a cache), logprobs within 1e-3.
+prompts_of, run, check = HYBRID.prompts, HYBRID.run, HYBRID.check
+
+# End to end for five families, each test a few engines: the fast loop has the model-level parity
+# of every family in tests/models instead.
+pytestmark = pytest.mark.slow
 
 
 def hit_rate(llm) -> tuple[int, int]:
@@ -96,44 +103,6 @@ def test_preemption_resumes_from_checkpoint(hybrid):
     assert any(preemptions > 0 and hits > 0 for preemptions, hits in seen)
 
 
-def test_rollback_restores_checkpoint_and_readvances_accepted_tokens():
-    """Speculative decoding on a Mamba2 mixer over a paged state pool: advance 6 draft tokens from a
-    checkpoint, accept 2, roll back; the state and outputs equal a straight run over the accepted tokens."""
-    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMamba2Mixer
-
-    from tests.models.test_hybrid_models import _hf_config
-    from tokenos.layers.mamba2 import Mamba2Mixer
-    from tokenos.worker.recurrent import readvance_batch, restore_checkpoint, rollback
-
-    torch.manual_seed(0)
-    config = _hf_config("mamba2")  # the tiny Mamba2 of the model tests (hidden size 16)
-    hf = HFMamba2Mixer(config, layer_idx=0).eval()
-    with torch.no_grad():
-        hf.D.copy_(torch.randn_like(hf.D))
-        hf.conv1d.bias.copy_(0.2 * torch.randn_like(hf.conv1d.bias))
-    mixer = Mamba2Mixer(config)
-    mixer.load_weights(hf.state_dict().items())
-    shapes, _ = Mamba2Mixer.state_shapes(config)
-    pools = [torch.zeros(6, *s) for s in shapes]  # pages 1..5; 0 is the null block
-    layer_caches = [pools]
-    x = torch.randn(20, 16)
-    accepted, drafts = x[11:13], torch.randn(6, 16)
-
-    def advance(inputs, batch):
-        return mixer.advance(inputs, batch, *pools)
-
-    with torch.no_grad():
-        straight = advance(x[:13], readvance_batch(0, 13, 1))  # page 1: the reference
-        advance(x[:11], readvance_batch(0, 11, 2))  # page 2: the checkpoint after 11 tokens
-        restore_checkpoint(layer_caches, 2, 3)  # page 3: the running page, speculating
-        advance(torch.cat([accepted[:1], drafts]), readvance_batch(11, 7, 3))
-        out = rollback(layer_caches, 2, 3, 11, accepted, advance)
-    assert torch.allclose(out, straight[11:13], atol=1e-5)
-    for pool in pools:
-        assert torch.allclose(pool[3], pool[1], atol=1e-5)
-        assert not torch.equal(pool[2], pool[1])  # the checkpoint itself is untouched
-
-
 def test_default_settings(hybrid):
     """By default: vLLM's page-sized checkpoints, plus end-of-request checkpoints (no memory cost);
     turning the latter off gives exactly vLLM's behaviour."""
@@ -145,4 +114,3 @@ def test_default_settings(hybrid):
     assert fine is not None and fine.at_end
     del llm
     assert make_llm(folder, mamba_checkpoint_at_end=False).engine.scheduler.kv_cache_manager.fine is None
-    assert hf_greedy  # the same reference helper as test_hybrid_parity

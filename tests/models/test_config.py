@@ -1,0 +1,48 @@
+"""Model config resolution (tokenos/models/config.py): fields a checkpoint's config.json gives, legacy
+keys, and the errors a user can cause."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tokenos.models import load_model_config
+
+
+def test_config_fields(make_checkpoint):
+    folder, _ = make_checkpoint("mistral", sliding_window=8, eos_token_id=[2, 5])
+    config = load_model_config(folder, max_model_len=100)
+    assert config.architecture == "MistralForCausalLM" and config.max_model_len == 100
+    assert config.layer_sliding_windows == (8, 8) and config.eos_token_ids == (2, 5)
+    assert (config.num_key_value_heads, config.head_dim, config.dtype) == (2, 16, torch.float32)
+    with pytest.raises(ValueError, match="max_model_len"):
+        load_model_config(folder, max_model_len=10**6)
+    with pytest.raises(ValueError, match="dtype"):
+        load_model_config(folder, dtype="int8")
+
+
+def test_legacy_rope_keys(make_checkpoint):
+    folder, _ = make_checkpoint("llama")
+    with open(f"{folder}/config.json") as f:
+        raw = json.load(f)
+    raw.pop("rope_parameters")
+    raw["rope_theta"] = 5000.0
+    raw["rope_scaling"] = {"type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 32}  # fmt: skip
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(raw, f)
+    config = load_model_config(folder)
+    assert config.rope_theta == 5000.0 and config.rope_scaling["rope_type"] == "llama3"
+
+
+def test_unsupported_architecture_lists_supported(make_checkpoint):
+    folder, _ = make_checkpoint("llama")
+    with open(f"{folder}/config.json") as f:
+        raw = json.load(f)
+    raw["architectures"] = ["GPT2LMHeadModel"]
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):
+        load_model_config(folder)
