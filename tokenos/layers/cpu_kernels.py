@@ -33,6 +33,21 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("TOKENOS_CACHE_DIR", Path.home() / ".cache" / "tokenos" / "kernels"))
 
 
+# Not -ffast-math: linking with it sets flush-to-zero for the whole process when the library loads,
+# which would change every float computation after it. These allow the vectorized reductions alone.
+CFLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+)
+
+
 def _build(src: Path, out: Path) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
@@ -40,19 +55,7 @@ def _build(src: Path, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        cmd = [
-            compiler,
-            "-O3",
-            "-march=native",
-            "-ffast-math",
-            "-fopenmp",
-            "-shared",
-            "-fPIC",
-            str(src),
-            "-o",
-            str(tmp_out),
-            "-lm",
-        ]
+        cmd = [compiler, *CFLAGS, str(src), "-o", str(tmp_out), "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
 
@@ -61,7 +64,7 @@ def _build(src: Path, out: Path) -> None:
 def load() -> ctypes.CDLL | None:
     if os.environ.get("TOKENOS_DISABLE_C_KERNELS") == "1":
         return None
-    source = _SRC.read_bytes()
+    source = _SRC.read_bytes() + " ".join(CFLAGS).encode()
     digest = hashlib.sha256(source).hexdigest()[:16]
     lib_path = _cache_dir() / f"paged_attention_{digest}.so"
     try:

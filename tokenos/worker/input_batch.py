@@ -28,6 +28,7 @@ class BlockTable:
     def set_row(self, row: int, block_ids: Sequence[int]) -> None:
         n = len(block_ids)
         self.table[row, :n] = block_ids
+        self.table[row, n : max(n, self.num_blocks[row])] = 0  # no stale ids past the row's end
         self.num_blocks[row] = n
 
     def append(self, row: int, block_ids: Sequence[int]) -> None:
@@ -46,6 +47,7 @@ class BlockTable:
     def move_row(self, src: int, dst: int) -> None:
         n = self.num_blocks[src]
         self.table[dst, :n] = self.table[src, :n]
+        self.table[dst, n : max(n, self.num_blocks[dst])] = 0
         self.num_blocks[dst] = n
 
     def swap_rows(self, a: int, b: int) -> None:
@@ -179,6 +181,9 @@ class InputBatch:
         misplaced = [r for r in range(n) if self.req_ids[r] not in scheduled]
         if misplaced:
             outside = [r for r in range(n, self.num_reqs) if self.req_ids[r] in scheduled]
+            if len(outside) != len(misplaced):
+                unknown = sorted(set(scheduled) - set(self.req_id_to_index))
+                raise ValueError(f"scheduled requests {unknown} are not in the batch")
             for a, b in zip(misplaced, outside, strict=True):
                 self.swap_rows(a, b)
         return n
