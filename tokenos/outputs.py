@@ -44,3 +44,5 @@ class RequestOutput:
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # The engine failed this request alone (its samples end with finish_reason "abort"): why.
+    error: str | None = None

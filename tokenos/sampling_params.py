@@ -12,6 +12,13 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from tokenos.core.validation import InvalidRequestError, check_int, check_sampling_values
+
+# Bounds on what one request may carry (lists bounded, as every field is).
+MAX_N = 1024
+MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024
+
 
 class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output carries the whole text so far
@@ -54,37 +61,14 @@ class SamplingParams:
         self._verify()
 
     def _verify(self) -> None:
-        def bad(msg: str) -> ValueError:
-            return ValueError(msg)
-
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad(f"n must be an integer >= 1, got {self.n!r}.")
-        if self.temperature < 0.0:
-            raise bad(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < 0:
-            raise bad(f"top_k must be 0 or -1 (off) or a positive integer, got {self.top_k}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise bad(f"min_p must be in [0, 1], got {self.min_p}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise bad(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise bad(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if self.repetition_penalty <= 0.0:
-            raise bad(f"repetition_penalty must be > 0, got {self.repetition_penalty}.")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise bad(f"max_tokens must be at least 1, got {self.max_tokens}.")
-        if self.min_tokens < 0:
-            raise bad(f"min_tokens must be >= 0, got {self.min_tokens}.")
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens}).")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad(f"logprobs must be >= 0, got {self.logprobs}.")
-        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
-            raise bad(f"prompt_logprobs must be >= 0, got {self.prompt_logprobs}.")
-        if any(not s for s in self.stop):
-            raise bad("stop strings must not be empty.")
+        check_int("n", self.n, 1, MAX_N)
+        check_sampling_values(self)
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise InvalidRequestError("stop strings must be non-empty strings.", "stop")
+        if len(self.stop) > MAX_STOP_STRINGS or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                f"At most {MAX_STOP_STRINGS} stop strings and {MAX_STOP_TOKEN_IDS} stop_token_ids.", "stop"
+            )
 
     @property
     def greedy(self) -> bool:

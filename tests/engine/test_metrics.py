@@ -90,3 +90,45 @@ def test_two_engines_in_one_process_do_not_collide():
     a.record_first_token(1.0)
     assert value(a, "tokenos:time_to_first_token_seconds_count") == 1
     assert value(b, "tokenos:time_to_first_token_seconds_count") == 0
+
+
+def _sample_count(m: EngineMetrics, reason: str) -> float:
+    for family in text_string_to_metric_families(m.render().decode()):
+        for sample in family.samples:
+            if sample.name == "tokenos:request_success_total" and sample.labels["finished_reason"] == reason:
+                return sample.value
+    return 0.0
+
+
+def test_aborts_count_as_finished_with_reason_abort():
+    """A request the frontend gives up on (client gone, explicit abort) is counted, once per sample."""
+    from tests.fixtures.tokenizers import FakeTokenizer
+    from tokenos.core.messages import EngineCoreOutput
+    from tokenos.engine.input_processor import InputProcessor
+    from tokenos.engine.output_processor import OutputProcessor
+    from tokenos.sampling_params import RequestOutputKind, SamplingParams
+
+    m = EngineMetrics("m")
+    door = InputProcessor(FakeTokenizer(), SimpleNamespace(max_model_len=64, vocab_size=1000))
+    outputs = OutputProcessor(FakeTokenizer(), m)
+    request = door.process("r", "abc", SamplingParams(n=2, max_tokens=5), output_kind=RequestOutputKind.DELTA)
+    outputs.add_request(request)
+    first, second = request.sample_ids
+    outputs.process_outputs(
+        [EngineCoreOutput(first, [100]), EngineCoreOutput(second, [101], finish_reason=1)]
+    )
+    assert outputs.abort_request("r") == [first]  # only the unfinished sample is aborted in the core
+    assert _sample_count(m, "abort") == 1 and _sample_count(m, "length") == 1
+    assert outputs.abort_request("r") == []  # once
+    assert _sample_count(m, "abort") == 1
+
+
+def test_rejections_and_engine_death_are_visible():
+    m = EngineMetrics("m")
+    m.record_rejected("queue_full")
+    m.record_rejected("queue_full")
+    m.record_engine_death()
+    text = m.render().decode()
+    assert 'tokenos:request_rejected_total{model_name="m",reason="queue_full"} 2.0' in text
+    assert 'tokenos:engine_dead{model_name="m"} 1.0' in text
+    assert 'tokenos:engine_core_deaths_total{model_name="m"} 1.0' in text

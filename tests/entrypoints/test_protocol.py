@@ -42,8 +42,8 @@ BAD_REQUESTS = [
     ("/v1/completions", {"n": True}, 400, "n"),
     ("/v1/completions", {"stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"prompt": 42}, 400, "prompt"),
-    ("/v1/completions", {"stop": ["ok", ""]}, 400, None),
-    ("/v1/completions", {"min_tokens": 5, "max_tokens": 2}, 400, None),
+    ("/v1/completions", {"stop": ["ok", ""]}, 400, "stop"),
+    ("/v1/completions", {"min_tokens": 5, "max_tokens": 2}, 400, "min_tokens"),
     ("/v1/completions", {"stream_options": {"include_usage": "yes"}}, 400, "stream_options"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
@@ -117,7 +117,7 @@ def test_unknown_route_is_404_with_openai_body(make_client, fake_engine):
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
-def test_api_key_guards_v1_routes_only(make_client, fake_engine):
+def test_api_key_guards_the_api_routes(make_client, fake_engine):
     client = make_client(fake_engine, api_key="s3cret")
     assert client.get("/v1/models").status_code == 401
     r = client.post("/v1/completions", json=COMPLETION, headers={"Authorization": "Bearer wrong"})

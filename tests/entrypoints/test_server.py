@@ -52,9 +52,12 @@ def headers() -> dict[str, str]:
 def test_models_and_probes(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     assert httpx.get(f"{server.url}/version").json()["version"]
-    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()
+    # /tokenize and /detokenize are behind the key like every route but the probes
+    assert httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).status_code == 401
+    tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}, headers=headers()).json()
     assert tokens["count"] == len(tokens["tokens"]) > 0 and tokens["max_model_len"] == MAX_MODEL_LEN
-    text = httpx.post(f"{server.url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    body = {"tokens": tokens["tokens"]}
+    text = httpx.post(f"{server.url}/detokenize", json=body, headers=headers()).json()["prompt"]
     assert "Hello world" in text
 
 

@@ -80,6 +80,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: int | None = None  # FinishReason value
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Set (with finish_reason ABORT) when the engine failed this request alone: what went wrong.
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,15 +1,22 @@
 """The request checks the engine core owns: a request that can never run is refused, with one message.
 
-The frontend's front door (`tokenos.engine.input_processor`) calls the same functions before it sends a
-request, so a user sees exactly one message per fault, whichever door they came in by; the engine core
-calls them again on every request it receives, because any client of its socket may reach it.
-`InvalidRequestError` carries the name of the request field at fault (``param``), which the HTTP layer
-puts in its 400 body.
+The frontend's front door (`tokenos.engine.input_processor`) and `SamplingParams` call the same functions
+before a request is sent, so a user sees exactly one message per fault, whichever door they came in by;
+the engine core calls them again on every request it receives, because any client of its socket may
+reach it. A request that passes them is representable by every kernel: floats finite and within float32,
+integers within int64, token ids within the vocabulary, top-n counts within the vocabulary. Nothing a
+request carries can then fail a step for everyone. `InvalidRequestError` carries the name of the request
+field at fault (``param``), which the HTTP layer puts in its 400 body.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class InvalidRequestError(ValueError):
@@ -42,3 +49,68 @@ def check_prompt_tokens(
             param,
         )
     check_token_ids(token_ids, vocab_size, "Prompt token", param)
+
+
+def check_int(name: str, value: Any, lo: int = INT64_MIN, hi: int = INT64_MAX) -> None:
+    """InvalidRequestError unless ``value`` is an integer (not a bool) in ``[lo, hi]``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be an integer, got {value!r}.", name)
+    if not lo <= value <= hi:
+        raise InvalidRequestError(f"{name} must be an integer in [{lo}, {hi}], got {value}.", name)
+
+
+def check_float(
+    name: str, value: Any, lo: float = -FLOAT32_MAX, hi: float = FLOAT32_MAX, lo_open: bool = False
+) -> None:
+    """InvalidRequestError unless ``value`` is a finite real number in ``[lo, hi]`` (``(lo, hi]`` with
+    ``lo_open``); the bounds default to what float32 holds."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise InvalidRequestError(f"{name} must be a number, got {value!r}.", name)
+    low_ok = value > lo if lo_open else value >= lo
+    if not (math.isfinite(value) and low_ok and value <= hi):
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        raise InvalidRequestError(f"{name} must be a finite number in {interval}, got {value}.", name)
+
+
+def check_sampling_values(params: Any) -> None:
+    """The value rules of the sampling fields `SamplingParams` and the engine's `EngineSamplingParams`
+    share (both have these attribute names)."""
+    check_float("temperature", params.temperature, 0.0)
+    check_float("top_p", params.top_p, 0.0, 1.0, lo_open=True)
+    check_int("top_k", params.top_k, -1)
+    check_float("min_p", params.min_p, 0.0, 1.0)
+    if params.seed is not None:
+        check_int("seed", params.seed)
+    check_float("presence_penalty", params.presence_penalty, -2.0, 2.0)
+    check_float("frequency_penalty", params.frequency_penalty, -2.0, 2.0)
+    check_float("repetition_penalty", params.repetition_penalty, 0.0, lo_open=True)
+    for token_id, bias in (params.logit_bias or {}).items():
+        check_int("logit_bias", token_id)
+        check_float("logit_bias", bias)
+    if params.max_tokens is not None:
+        check_int("max_tokens", params.max_tokens, 1)
+    check_int("min_tokens", params.min_tokens, 0)
+    if params.max_tokens is not None and params.min_tokens > params.max_tokens:
+        raise InvalidRequestError(
+            f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens}).",
+            "min_tokens",
+        )
+    for token_id in params.stop_token_ids or ():
+        check_int("stop_token_ids", token_id)
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None:
+            check_int(name, value, 0)
+
+
+def check_sampling_for_model(params: Any, vocab_size: int, max_logprobs: int) -> None:
+    """What the sampling fields must also satisfy for one model: token ids in its vocabulary, top-n
+    logprob counts at most ``max_logprobs`` (and the vocabulary)."""
+    if params.logit_bias:
+        check_token_ids(list(params.logit_bias), vocab_size, "logit_bias token", "logit_bias")
+    check_token_ids(params.stop_token_ids or (), vocab_size, "stop_token_ids token", "stop_token_ids")
+    limit = min(max_logprobs, vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > limit:
+            raise InvalidRequestError(f"{name} must be at most {limit}, got {value}.", name)

@@ -48,6 +48,8 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     chat_template: str | None = None
+    # Serving: requests (samples) that may wait beyond the max_num_seqs running; more get 429.
+    max_waiting_requests: int = 1024
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -107,6 +109,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=EngineArgs.max_waiting_requests,
+        help="serving: requests that may wait beyond --max-num-seqs; more are refused with 429",
+    )
     parser.add_argument(
         "--mamba-cache-mode",
         choices=("align", "all", "none"),

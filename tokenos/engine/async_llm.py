@@ -14,8 +14,14 @@ import logging
 from collections.abc import AsyncIterator
 
 from tokenos.engine.args import EngineArgs, model_name
-from tokenos.engine.core_client import AsyncEngineCoreClient, EngineDeadError, RequestStream
-from tokenos.engine.input_processor import InputProcessor, PromptType
+from tokenos.engine.core_client import (
+    AsyncEngineCoreClient,
+    EngineDeadError,
+    EngineOverloadedError,
+    RequestFailedError,
+    RequestStream,
+)
+from tokenos.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from tokenos.engine.output_processor import OutputProcessor
 from tokenos.engine.tokenizer import load_tokenizer
 from tokenos.outputs import RequestOutput
@@ -43,9 +49,14 @@ class AsyncLLM:
         self.tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
         self.input_processor = InputProcessor(self.tokenizer, self.model_config, engine_args.chat_template)
         self.metrics = metrics
-        stats_handler = metrics.update_from_engine_stats if metrics is not None else None
+        # Samples in flight (running or waiting in the core); beyond max_in_flight a request is refused.
+        self.num_in_flight = 0
+        self.max_in_flight = engine_args.max_num_seqs + engine_args.max_waiting_requests
         self.client = AsyncEngineCoreClient(
-            make_engine_core, {"args": engine_args}, stats_handler=stats_handler
+            make_engine_core,
+            {"args": engine_args},
+            stats_handler=metrics.update_from_engine_stats if metrics is not None else None,
+            death_handler=metrics.record_engine_death if metrics is not None else None,
         )
         self.model_info = self.client.start()
 
@@ -63,7 +74,7 @@ class AsyncLLM:
     def shutdown(self) -> None:
         self.client.shutdown()
 
-    async def generate(
+    def generate(
         self,
         prompt: PromptType,
         sampling_params: SamplingParams,
@@ -72,24 +83,42 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream `RequestOutput`s for one request (kind per `sampling_params.output_kind`)."""
+        """Stream `RequestOutput`s for one request (kind per `sampling_params.output_kind`).
+
+        Checks happen NOW, before the caller starts streaming (so an HTTP handler can still answer with
+        an error status): ValueError for an invalid request, `EngineOverloadedError` when more than
+        `max_waiting_requests` would be waiting. While streaming, `RequestFailedError` means the engine
+        failed this request alone."""
         request = self.input_processor.process(
             request_id, prompt, sampling_params, priority=priority, cache_salt=cache_salt
         )
+        num_samples = len(request.engine_requests)
+        if self.num_in_flight + num_samples > self.max_in_flight:
+            if self.metrics is not None:
+                self.metrics.record_rejected("queue_full")
+            raise EngineOverloadedError(
+                f"{self.num_in_flight} requests are in flight, the most this server queues is "
+                f"{self.max_in_flight}: retry later."
+            )
+        return _Admitted(self, request, num_samples)
+
+    async def _run(self, request: ProcessedRequest) -> AsyncIterator[RequestOutput]:
         processor = OutputProcessor(self.tokenizer, self.metrics)
         processor.add_request(request)
-        streams = [await self.client.add_request_async(r) for r in request.engine_requests]
         try:
+            streams = [await self.client.add_request_async(r) for r in request.engine_requests]
             async for out in _merge(streams):
                 ready, to_abort = processor.process_outputs([out])
                 if to_abort:
                     await self.client.abort_requests_async(to_abort)
                 for request_output in ready:
+                    if request_output.error is not None:
+                        raise RequestFailedError(request_output.error)
                     yield request_output
                 if not processor.has_unfinished_requests():
                     return
         finally:
-            leftover = processor.abort_request(request_id)
+            leftover = processor.abort_request(request.request_id)
             if leftover and not self.client.errored:
                 await self.client.abort_requests_async(leftover)
 
@@ -101,6 +130,43 @@ class AsyncLLM:
 
     async def get_stats(self) -> dict:
         return await self.client.call_utility_async("get_stats")
+
+
+class _Admitted:
+    """One admitted request's output stream. Its samples count as in flight from admission until the
+    stream ends, fails, is closed, or is dropped without ever being read (then the count is given back by
+    the finalizer: an HTTP handler may fail between admitting a prompt and streaming it)."""
+
+    def __init__(self, engine: AsyncLLM, request: ProcessedRequest, num_samples: int) -> None:
+        self.engine = engine
+        self.num_samples = num_samples
+        engine.num_in_flight += num_samples
+        self._outputs = engine._run(request)
+        self._released = False
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            self.engine.num_in_flight -= self.num_samples
+
+    def __aiter__(self) -> _Admitted:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            return await self._outputs.__anext__()
+        except BaseException:  # the end, a failure, or cancellation (client gone)
+            self._release()
+            raise
+
+    async def aclose(self) -> None:
+        try:
+            await self._outputs.aclose()
+        finally:
+            self._release()
+
+    def __del__(self) -> None:
+        self._release()
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator:

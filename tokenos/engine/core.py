@@ -15,7 +15,7 @@ from tokenos.core.kv_cache.spec import MambaSpec, get_kv_cache_config
 from tokenos.core.messages import EngineCoreOutputs, EngineCoreRequest
 from tokenos.core.request import Request, RequestStatus
 from tokenos.core.sched.scheduler import Scheduler
-from tokenos.core.validation import check_prompt_tokens
+from tokenos.core.validation import check_prompt_tokens, check_sampling_for_model, check_sampling_values
 from tokenos.engine.args import EngineArgs, model_name
 
 logger = logging.getLogger(__name__)
@@ -92,10 +92,12 @@ class EngineCore:
     # ------------------------------------------------------------ requests
 
     def add_request(self, req: EngineCoreRequest) -> None:
-        """Queue a request; ValueError (and nothing queued) when it can never run."""
-        check_prompt_tokens(
-            req.prompt_token_ids, self.model_config.max_model_len, self.model_config.vocab_size
-        )
+        """Queue a request; ValueError (and nothing queued) when it can never run: any client may reach
+        the core, so it checks what its kernels must be able to represent (`tokenos.core.validation`)."""
+        vocab_size = self.model_config.vocab_size
+        check_prompt_tokens(req.prompt_token_ids, self.model_config.max_model_len, vocab_size)
+        check_sampling_values(req.sampling_params)
+        check_sampling_for_model(req.sampling_params, vocab_size, max_logprobs=vocab_size)
         self.scheduler.add_request(Request.from_engine_core_request(req))
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

@@ -46,6 +46,14 @@ class RequestRejectedError(ValueError):
     """The engine core refused one request (`add_request` raised ValueError); the rest keep going."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed one request alone (e.g. its sampling raised); every other request goes on."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are already in flight (`max_waiting_requests`): come back later."""
+
+
 class RequestStream:
     """Async iterator over one request's `EngineCoreOutput`s; ends after the finished one.
 
@@ -86,6 +94,7 @@ class AsyncEngineCoreClient:
         heartbeat_interval_s: float = 1.0,
         silence_timeout_s: float | None = 120.0,
         stats_handler: Callable[[dict], None] | None = None,
+        death_handler: Callable[[], None] | None = None,
     ) -> None:
         self.engine_factory = engine_factory
         self.factory_kwargs = dict(factory_kwargs or {})
@@ -93,6 +102,7 @@ class AsyncEngineCoreClient:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.silence_timeout_s = silence_timeout_s
         self.stats_handler = stats_handler
+        self.death_handler = death_handler
         self.model_info: dict = {}
         self.latest_stats: dict = {}
         self.dead_error: EngineDeadError | None = None
@@ -292,6 +302,8 @@ class AsyncEngineCoreClient:
     def _die(self, error: EngineDeadError) -> None:
         logger.error("%s", error)
         self.dead_error = error
+        if self.death_handler is not None:
+            self.death_handler()
         if self.proc is not None and self.proc.is_alive():
             self.proc.kill()  # a wedged core must not keep holding the model's memory
         self._fail_all(error)

@@ -26,7 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenos.core.messages import EngineCoreRequest, EngineSamplingParams
-from tokenos.core.validation import InvalidRequestError, check_prompt_tokens, check_token_ids
+from tokenos.core.validation import (
+    INT64_MAX,
+    INT64_MIN,
+    InvalidRequestError,
+    check_prompt_tokens,
+    check_sampling_for_model,
+    check_token_ids,
+)
 from tokenos.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -70,6 +77,13 @@ def resolve_chat_template(template: str | None) -> str | None:
     return template
 
 
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """Sample ``index``'s seed: ``seed + index``, wrapped to stay an int64."""
+    if seed is None:
+        return None
+    return (seed + index - INT64_MIN) % 2**64 + INT64_MIN if seed + index > INT64_MAX else seed + index
+
+
 def engine_sampling_params(params: SamplingParams, seed: int | None) -> EngineSamplingParams:
     """What the engine core needs of ``params`` (token-level rules only), with sample's ``seed``."""
     return EngineSamplingParams(
@@ -92,10 +106,14 @@ def engine_sampling_params(params: SamplingParams, seed: int | None) -> EngineSa
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Any, model_config: Any, chat_template: str | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, model_config: Any, chat_template: str | None = None, max_logprobs: int = 20
+    ) -> None:
         """``tokenizer`` may be None (``skip_tokenizer_init``: token-id prompts only); ``model_config``
-        gives ``max_model_len``, ``vocab_size`` and ``eos_token_ids``."""
+        gives ``max_model_len``, ``vocab_size`` and ``eos_token_ids``; ``max_logprobs`` caps the top-n
+        logprobs a request may ask for (vLLM's default, 20)."""
         self.tokenizer = tokenizer
+        self.max_logprobs = max_logprobs
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.vocab_size
         config_eos = list(getattr(model_config, "eos_token_ids", None) or ())
@@ -116,10 +134,26 @@ class InputProcessor:
 
     def encode(self, text: str, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         tokenizer = self._require_tokenizer()
+        self._check_text_length(text, param)
         try:
             return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
         except UnicodeEncodeError as e:  # a lone surrogate, from JSON escapes
             raise InvalidRequestError(f"The text is not valid Unicode: {e.reason}.", param) from e
+
+    def _check_text_length(self, text: str, param: str) -> None:
+        """Refuse, before tokenizing it, a text that cannot fit the context whatever its tokens: each token
+        covers at most ``max_token_chars`` characters (the margin of 4 covers normalizers that shrink
+        text, such as combining marks folded by NFC)."""
+        per_token = getattr(self.tokenizer, "max_token_chars", None)
+        if per_token is None:
+            return
+        limit = 4 * per_token * self.max_model_len
+        if len(text) > limit:
+            raise InvalidRequestError(
+                f"The text is {len(text)} characters long: more than {self.max_model_len} tokens "
+                f"(max_model_len) of this tokenizer can ever hold. Please shorten it.",
+                param,
+            )
 
     def decode(self, token_ids: list[int], param: str = "tokens") -> str:
         """The text of ``token_ids`` (special tokens kept); ids outside the vocabulary are refused first."""
@@ -174,9 +208,9 @@ class InputProcessor:
         check_prompt_tokens(token_ids, self.max_model_len, self.vocab_size, param)
 
     def check_params(self, params: SamplingParams) -> None:
-        """What ``SamplingParams`` cannot check alone: token ids against this model's vocabulary."""
-        if params.logit_bias:
-            check_token_ids(list(params.logit_bias), self.vocab_size, "logit_bias token", "logit_bias")
+        """What ``SamplingParams`` cannot check alone: token ids against this model's vocabulary, the
+        number of logprobs."""
+        check_sampling_for_model(params, self.vocab_size, self.max_logprobs)
 
     def check_context(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens") -> None:
         """The OpenAI API's rule: the prompt plus the requested completion must fit the context."""
@@ -213,7 +247,7 @@ class InputProcessor:
         arrival = time.time() if arrival_time is None else arrival_time
         samples: list[EngineCoreRequest] = []
         for i in range(params.n):
-            seed = None if params.seed is None else params.seed + i
+            seed = sample_seed(params.seed, i)
             samples.append(
                 EngineCoreRequest(
                     request_id=request_id if params.n == 1 else sample_request_id(i, request_id),

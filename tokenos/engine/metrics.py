@@ -85,6 +85,7 @@ E2E_BUCKETS = (
 )
 
 FINISH_REASONS = ("stop", "length", "abort")
+REJECT_REASONS = ("queue_full",)
 # Engine-core stats keys that are cumulative counters, and the metric each one feeds.
 _CUMULATIVE_STATS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 
@@ -141,6 +142,14 @@ class EngineMetrics:
         self.e2e = histogram(
             "tokenos:e2e_request_latency_seconds", "Arrival to finish of a request.", E2E_BUCKETS
         )
+        rejected = counter(
+            "tokenos:request_rejected", "Requests refused before the engine, by reason.", ("reason",)
+        )
+        self.rejected = {reason: rejected.labels(reason=reason, **labels) for reason in REJECT_REASONS}
+        self.engine_dead = gauge("tokenos:engine_dead", "1 once the engine core has died (the server exits).")
+        self.engine_deaths = counter(
+            "tokenos:engine_core_deaths", "Times the engine core died (it is not restarted)."
+        ).labels(**labels)
         self._last_cumulative: dict[str, float] = {}
 
     # ------------------------------------------------------------------ frontend, per request
@@ -164,6 +173,14 @@ class EngineMetrics:
         for sample in request.samples:
             reason = sample.finish_reason if sample.finish_reason in FINISH_REASONS else "abort"
             self.requests_by_reason[reason].inc()
+
+    def record_rejected(self, reason: str) -> None:
+        """A request was refused before reaching the engine core (``queue_full``)."""
+        self.rejected[reason].inc()
+
+    def record_engine_death(self) -> None:
+        self.engine_dead.set(1)
+        self.engine_deaths.inc()
 
     # ------------------------------------------------------------------ engine core, per step
 

@@ -49,6 +49,8 @@ class ParentState:
     queue: object | None = None  # an asyncio.Queue for AsyncLLM; None offline
     prompt_logprobs: list | None = None
     num_cached_tokens: int = 0
+    # Why the engine failed this request (one of its samples), if it did.
+    error: str | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_generation_tokens: int = 0
@@ -94,13 +96,19 @@ class OutputProcessor:
         return bool(self.parents)
 
     def abort_request(self, request_id: str) -> list[str]:
-        """Forget a parent request; returns its children's ids for the engine core to abort."""
+        """Forget a parent request (client gone, or an explicit abort); its unfinished samples end as
+        aborts, counted in the metrics. Returns their ids for the engine core to abort."""
         parent = self.parents.pop(request_id, None)
         if parent is None:
             return []
+        unfinished = [s for s in parent.samples if s.finish_reason is None]
         for s in parent.samples:
             self.child_to_parent.pop(s.request_id, None)
-        return [s.request_id for s in parent.samples if s.finish_reason is None]
+        for s in unfinished:
+            s.finish_reason = "abort"
+        if self.metrics is not None:
+            self.metrics.record_finished(parent, time.monotonic())
+        return [s.request_id for s in unfinished]
 
     # ------------------------------------------------------------ the per-step update
 
@@ -167,6 +175,8 @@ class OutputProcessor:
         if out.finish_reason is not None:
             sample.finish_reason = str(FinishReason(out.finish_reason))
             sample.stop_reason = out.stop_reason
+        if out.error is not None:
+            parent.error = out.error
         return False
 
     def _logprob_dict(self, lp) -> dict[int, Logprob]:
@@ -220,6 +230,7 @@ class OutputProcessor:
             finished=parent.finished,
             prompt_logprobs=parent.prompt_logprobs,
             num_cached_tokens=parent.num_cached_tokens,
+            error=parent.error,
             metrics={
                 "arrival_time": parent.arrival_time,
                 "first_token_time": parent.first_token_time,

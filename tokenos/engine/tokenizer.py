@@ -13,6 +13,7 @@ ourselves (a flat run of key/value pairs before the tensor table: ~0.1 s) and ha
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -40,6 +41,12 @@ class Tokenizer:
 
     def __len__(self) -> int:
         return self.vocab_size
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token of this vocabulary can stand for (its longest entry: byte-level
+        entries spell one byte per character, so they are never shorter than the text they cover)."""
+        return max((len(token) for token in self.hf.get_vocab()), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))

@@ -7,7 +7,7 @@ greedy requests without penalties is one argmax). Optional tensors are None when
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,3 +41,39 @@ class SamplingMetadata:
     # Top-n logprobs per row (None: none wanted); max over rows, None when no row wants any.
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
+
+    def select_row(self, row: int) -> SamplingMetadata:
+        """The metadata of row ``row`` alone (as row 0), sharing its generator: to sample one row by
+        itself when a batched sampling step failed."""
+
+        def one(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[row : row + 1]
+
+        bias = None
+        if self.logit_bias is not None:
+            rows, cols, vals = self.logit_bias
+            keep = rows == row
+            if bool(keep.any()):
+                bias = (torch.zeros_like(rows[keep]), cols[keep], vals[keep])
+        greedy = bool(self.greedy_mask[row])
+        return replace(
+            self,
+            num_reqs=1,
+            temperature=self.temperature[row : row + 1],
+            greedy_mask=self.greedy_mask[row : row + 1],
+            all_greedy=greedy,
+            all_random=not greedy,
+            top_k=one(self.top_k),
+            top_p=one(self.top_p),
+            min_p=one(self.min_p),
+            generators={0: self.generators[row]} if row in self.generators else {},
+            presence_penalties=one(self.presence_penalties),
+            frequency_penalties=one(self.frequency_penalties),
+            repetition_penalties=one(self.repetition_penalties),
+            prompt_token_ids=one(self.prompt_token_ids),
+            output_token_ids=self.output_token_ids[row : row + 1],
+            logit_bias=bias,
+            min_tokens={0: self.min_tokens[row]} if row in self.min_tokens else {},
+            num_logprobs=self.num_logprobs[row : row + 1],
+            max_num_logprobs=self.num_logprobs[row],
+        )

@@ -24,6 +24,7 @@ from tokenos.layers.metadata import ForwardBatch
 from tokenos.layers.recurrent_batch import RecurrentBatch
 from tokenos.models import build_model
 from tokenos.models.config import ModelConfig
+from tokenos.sample.metadata import SamplingMetadata
 from tokenos.sample.sampler import Sampler, compute_prompt_logprobs
 from tokenos.worker.input_batch import InputBatch
 from tokenos.worker.kv_cache import allocate_kv_caches
@@ -135,17 +136,17 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.from_numpy(inputs.last_token_indices)])
         # rows still mid-prompt sample nothing; their seeded generators must not advance
         discard = np.flatnonzero(~sample_mask).tolist()
-        sampler_out = self.sampler(logits, batch.sampling.make_metadata(n, discard_rows=discard))
-        sampled = sampler_out.sampled_token_ids.tolist()
+        metadata = batch.sampling.make_metadata(n, discard_rows=discard)
+        sampled, sampled_logprobs, failed = self._sample(logits, metadata, req_ids)
 
         sampled_lists: list[list[int]] = []
         logprobs: list[list[TokenLogprobs] | None] = []
         for row in range(n):
-            if sample_mask[row]:
+            if sample_mask[row] and req_ids[row] not in failed:
                 tok = sampled[row]
                 sampled_lists.append([tok])
                 batch.append_token(row, tok)
-                lp = sampler_out.logprobs[row] if sampler_out.logprobs else None
+                lp = sampled_logprobs[row]
                 logprobs.append([lp] if lp is not None else None)
             else:
                 sampled_lists.append([])
@@ -159,7 +160,36 @@ class ModelRunner:
             sampled_token_ids=sampled_lists,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
             prompt_logprobs=prompt_logprobs,
+            failed=failed,
         )
+
+    def _sample(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, req_ids: list[str]
+    ) -> tuple[list[int], list[TokenLogprobs | None], dict[str, str]]:
+        """One token per row. Sampling is per request: if the batched call fails, each row is sampled
+        alone (seeded generators rewound first, so their draws are what they would have been) and
+        only the rows that fail by themselves fail, with their error; the forward's KV stays valid."""
+        states = {row: gen.get_state() for row, gen in metadata.generators.items()}
+        try:
+            out = self.sampler(logits, metadata)
+            return out.sampled_token_ids.tolist(), out.logprobs, {}
+        except Exception:
+            logger.exception("batched sampling failed; sampling each request alone to isolate the fault")
+        for row, state in states.items():
+            metadata.generators[row].set_state(state)
+        tokens: list[int] = [0] * len(req_ids)
+        logprobs: list[TokenLogprobs | None] = [None] * len(req_ids)
+        failed: dict[str, str] = {}
+        for row, req_id in enumerate(req_ids):
+            try:
+                out = self.sampler(logits[row : row + 1], metadata.select_row(row))
+            except Exception as e:
+                logger.exception("request %s failed in sampling; it is aborted, the batch goes on", req_id)
+                failed[req_id] = f"sampling failed: {type(e).__name__}: {e}"
+                continue
+            tokens[row] = int(out.sampled_token_ids[0])
+            logprobs[row] = out.logprobs[0]
+        return tokens, logprobs, failed
 
     def _copy_pages(self, scheduler_output: SchedulerOutput) -> None:
         """Copy-on-write of partial prefix-hit pages first, then recurrent state copies (the contract's

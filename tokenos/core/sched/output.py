@@ -142,3 +142,6 @@ class ModelRunnerOutput:
     logprobs: list[list[TokenLogprobs] | None] | None = None  # per request, per sampled token
     # req_id -> logprobs of prompt positions computed this step (position i scores token i+1).
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    # req_id -> why the step failed for this request alone (its sampling); the scheduler ends it with
+    # that error while every other request goes on. Failures of shared state are raised instead.
+    failed: dict[str, str] = field(default_factory=dict)

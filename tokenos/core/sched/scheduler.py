@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from tokenos.config import CacheConfig, SchedulerConfig
 from tokenos.core.kv_cache.manager import KVCacheManager
 from tokenos.core.kv_cache.spec import KVCacheConfig
-from tokenos.core.messages import EngineCoreOutput
+from tokenos.core.messages import EngineCoreOutput, FinishReason
 from tokenos.core.request import Request, RequestStatus
 from tokenos.core.sched.chunking import ChunkPolicy
 from tokenos.core.sched.forks import ForkTracker
@@ -264,6 +264,7 @@ class Scheduler:
         index = model_runner_output.req_id_to_index
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
+        failed = model_runner_output.failed
         requests = self.requests
         after_step = self.kv_cache_manager.after_step
         forks = self.forks
@@ -277,6 +278,10 @@ class Scheduler:
             after_step(req)
             if forks.waiters:
                 forks.after_step(req)
+            if failed and rid in failed:
+                outputs.append(self._fail(req, failed[rid]))
+                any_finished = True
+                continue
             i = index.get(rid)
             tokens = sampled[i] if i is not None else None
             finished = False
@@ -316,6 +321,12 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         return outputs
+
+    def _fail(self, req: Request, error: str) -> EngineCoreOutput:
+        """End a request the worker failed alone (its step ran, so its pages are valid and kept)."""
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._free_request(req)
+        return EngineCoreOutput(req.request_id, [], finish_reason=int(FinishReason.ABORT), error=error)
 
     def _check_stop(self, req: Request) -> bool:
         """Stop rules, after one token was appended. Sets status (and stop_reason)."""

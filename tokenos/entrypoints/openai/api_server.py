@@ -6,7 +6,14 @@ until SIGINT/SIGTERM or engine death, and returns the exit code (1 when the engi
 
 Every error leaves as an OpenAI-style body `{"error": {"message", "type", "param", "code"}}`:
 validation 400 (malformed JSON, wrong types, out-of-range values, prompts that do not fit),
-401 (API key), 404 (unknown model or route), 503 (engine dead).
+401 (API key), 404 (unknown model or route), 413 (body over `--max-request-body-bytes`, refused
+before it is read), 429 (too many requests queued, with Retry-After), 500 (the engine failed that
+request alone), 503 (engine dead).
+
+With `--api-key`, every route needs `Authorization: Bearer KEY` except the probes `/health`,
+`/ping`, `/metrics` and `/version` (vLLM's set). The OpenAPI schema and the docs pages are off unless
+`--enable-docs`. Nothing slow runs on the event loop: tokenization, chat templates and
+detokenization go to a small thread pool, so `/health` answers while a huge prompt is being refused.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import os
 import secrets
 import sys
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -43,6 +51,64 @@ from tokenos.entrypoints.openai.serving_engine import ClientDisconnected
 logger = logging.getLogger("tokenos.server")
 
 HEALTH_POLL_S = 1.0
+# Routes that answer without the API key: probes a load balancer or Prometheus calls.
+PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
+# Threads that tokenize / render / detokenize for the HTTP layer, off the event loop.
+FRONT_DOOR_THREADS = 2
+
+
+class BodySizeLimit:
+    """ASGI middleware: refuse a body over ``max_bytes`` with 413, before reading it when it declares its
+    Content-Length, else as soon as it grows past the limit (the body is gathered here, then replayed to
+    the app, so the limit holds however the client streams it)."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("method") not in ("POST", "PUT", "PATCH"):
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await too_large(self.max_bytes)(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await too_large(self.max_bytes)(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        replayed = False
+
+        async def replay() -> dict:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # later calls: disconnect detection
+
+        await self.app(scope, replay, send)
+
+
+def too_large(max_bytes: int) -> JSONResponse:
+    return error_response(
+        OpenAIError(
+            f"The request body is larger than this server accepts ({max_bytes} bytes; "
+            "see --max-request-body-bytes).",
+            status=413,
+            code="request_too_large",
+        )
+    )
 
 
 def served_model_names(engine: Any, args: argparse.Namespace) -> list[str]:
@@ -51,7 +117,8 @@ def served_model_names(engine: Any, args: argparse.Namespace) -> list[str]:
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
-    return JSONResponse(error.to_response().model_dump(), status_code=error.status)
+    headers = {"Retry-After": str(error.retry_after)} if error.retry_after is not None else None
+    return JSONResponse(error.to_response().model_dump(), status_code=error.status, headers=headers)
 
 
 def _validation_error(exc: RequestValidationError) -> OpenAIError:
@@ -66,11 +133,21 @@ def _validation_error(exc: RequestValidationError) -> OpenAIError:
 
 def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
     """The FastAPI app serving `engine` (AsyncLLM surface) with the settings in `args`."""
-    app = FastAPI(title="tokenos", version=tokenos.__version__)
+    docs = bool(getattr(args, "enable_docs", False))
+    app = FastAPI(
+        title="tokenos",
+        version=tokenos.__version__,
+        openapi_url="/openapi.json" if docs else None,
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+    )
     names = served_model_names(engine, args)
-    completion = OpenAIServingCompletion(engine, names)
-    chat = OpenAIServingChat(engine, names)
+    executor = ThreadPoolExecutor(FRONT_DOOR_THREADS, thread_name_prefix="tokenos-front-door")
+    completion = OpenAIServingCompletion(engine, names, executor)
+    chat = OpenAIServingChat(engine, names, executor)
+    max_body = getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_REQUEST_BODY_BYTES
     _add_error_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body)
     _add_api_key_check(app, getattr(args, "api_key", None))
 
     @app.get("/health")
@@ -81,6 +158,10 @@ def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
             return error_response(OpenAIError(f"The engine is dead: {e}", status=503, code="engine_dead"))
         return Response(status_code=200)
 
+    @app.get("/ping")
+    async def ping() -> Response:
+        return await health()
+
     @app.get("/version")
     async def version() -> dict:
         return {"version": tokenos.__version__}
@@ -90,7 +171,11 @@ def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
         from tokenos.engine.metrics import CONTENT_TYPE
 
         source = getattr(engine, "metrics", None)
-        return Response(source.render() if source is not None else b"", media_type=CONTENT_TYPE)
+        if source is None:
+            return Response(b"", media_type=CONTENT_TYPE)
+        if getattr(engine, "errored", False):
+            source.engine_dead.set(1)
+        return Response(source.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
@@ -112,16 +197,16 @@ def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("Give exactly one of `prompt` and `messages`.", param="prompt")
         if request.messages is not None:
-            tokens = chat.render_prompt(request).token_ids
+            tokens = (await chat.off_loop(chat.render_prompt, request)).token_ids
         else:
-            add_special = request.add_special_tokens
-            tokens = engine.input_processor.encode(request.prompt, add_special_tokens=add_special)
+            door = engine.input_processor
+            tokens = await chat.off_loop(door.encode, request.prompt, request.add_special_tokens)
         return {"count": len(tokens), "max_model_len": completion.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(request: DetokenizeRequest) -> dict:
         completion.check_model(request.model)
-        return {"prompt": engine.input_processor.decode(request.tokens)}
+        return {"prompt": await chat.off_loop(engine.input_processor.decode, request.tokens)}
 
     return app
 
@@ -166,7 +251,7 @@ def _add_api_key_check(app: FastAPI, api_key: str | None) -> None:
 
     @app.middleware("http")
     async def check_api_key(request: Request, call_next):
-        if request.url.path.startswith("/v1"):
+        if request.url.path not in PUBLIC_PATHS:
             given = request.headers.get("authorization", "").encode()
             if not secrets.compare_digest(given, expected):
                 return error_response(

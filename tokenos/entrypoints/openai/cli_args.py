@@ -25,6 +25,17 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--served-model-name", default=None, help="the model name clients use (default: MODEL's)"
     )
     parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    parser.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=4 << 20,
+        help="refuse (413) request bodies larger than this, before reading them",
+    )
+    parser.add_argument(
+        "--enable-docs",
+        action="store_true",
+        help="serve the OpenAPI schema and the /docs and /redoc pages (off by default)",
+    )
     add_engine_args(parser)
     parser.set_defaults(dtype=EngineArgs.dtype)
     return parser

@@ -14,12 +14,14 @@ client gets.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tokenos.core.validation import INT64_MAX, INT64_MIN, InvalidRequestError
 from tokenos.sampling_params import RequestOutputKind, SamplingParams
 
 # ------------------------------------------------------------------ errors
@@ -43,15 +45,25 @@ class OpenAIError(Exception):
         400: "invalid_request_error",
         401: "invalid_request_error",
         404: "invalid_request_error",
+        413: "invalid_request_error",
+        429: "rate_limit_error",
         503: "server_error",
     }
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # seconds, sent as Retry-After (429 / 503)
 
     def to_response(self) -> ErrorResponse:
         kind = self.TYPES.get(self.status, "server_error" if self.status >= 500 else "invalid_request_error")
@@ -72,6 +84,34 @@ NumTopLogprobs = Annotated[int | None, Field(ge=0, le=20)]
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _holds_surrogate(value: Any) -> bool:
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, BaseModel):
+        return any(_holds_surrogate(v) for v in value.__dict__.values())
+    if isinstance(value, dict):
+        return any(_holds_surrogate(k) or _holds_surrogate(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_holds_surrogate(v) for v in value)
+    return False
+
+
+class RequestModel(StrictModel):
+    """A top-level request body. Its strings must be valid Unicode: JSON escapes can smuggle in lone
+    surrogates, which no tokenizer encodes and no response can carry, so they are refused up front."""
+
+    @model_validator(mode="after")
+    def _valid_unicode(self) -> RequestModel:
+        fields = {**self.__dict__, **(self.model_extra or {})}
+        for name, value in fields.items():
+            if _holds_surrogate(value):
+                raise OpenAIError(f"`{name}` is not valid Unicode (it holds a lone surrogate).", param=name)
+        return self
 
 
 class StreamOptions(StrictModel):
@@ -122,7 +162,7 @@ _UNSUPPORTED_CHAT = {
 }
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(RequestModel):
     """Fields both endpoints share: OpenAI's sampling knobs plus vLLM's extras."""
 
     # Unknown fields are kept (not validated) so that the unsupported ones can be refused by name.
@@ -148,7 +188,7 @@ class SamplingFields(StrictModel):
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
     cache_salt: str | None = None
-    priority: int = 0
+    priority: Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)] = 0
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
@@ -197,6 +237,8 @@ class SamplingFields(StrictModel):
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             )
+        except InvalidRequestError as e:
+            raise OpenAIError(e.message, param=e.param) from e
         except ValueError as e:
             raise OpenAIError(str(e)) from e
 
@@ -283,7 +325,7 @@ class ChatCompletionRequest(SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -296,7 +338,7 @@ class TokenizeRequest(StrictModel):
         return [m.to_template_dict() for m in self.messages or []]
 
 
-class DetokenizeRequest(StrictModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

@@ -51,6 +51,13 @@ class OpenAIServingChat(OpenAIServing):
             **(request.chat_template_kwargs or {}),
         )
 
+    def _prepare_prompt(self, request: ChatCompletionRequest, max_tokens: int | None) -> Prompt:
+        """The rendered, tokenized, checked conversation (in a worker thread)."""
+        prompt = self.render_prompt(request)
+        self.input_processor.check_prompt(prompt.token_ids, "messages")
+        self.input_processor.check_context(len(prompt.token_ids), max_tokens)
+        return prompt
+
     async def create_chat_completion(
         self, request: ChatCompletionRequest, raw_request: Any = None
     ) -> ChatCompletionResponse | AsyncIterator[str]:
@@ -58,15 +65,15 @@ class OpenAIServingChat(OpenAIServing):
         model = self.check_model(request.model)
         self.check_engine()
         params = request.to_sampling_params()
-        prompt = self.render_prompt(request)
-        door = self.input_processor
-        door.check_prompt(prompt.token_ids, "messages")
-        door.check_context(len(prompt.token_ids), params.max_tokens)
-        door.check_params(params)
+        self.input_processor.check_params(params)
+        prompt = await self.off_loop(self._prepare_prompt, request, params.max_tokens)
         request_id = random_id("chatcmpl")
-        generator = self.engine.generate(
-            prompt, params, request_id, priority=request.priority, cache_salt=request.cache_salt
-        )
+        try:  # admission happens here, before any byte of the response: refusals keep their status
+            generator = self.engine.generate(
+                prompt, params, request_id, priority=request.priority, cache_salt=request.cache_salt
+            )
+        except Exception as e:
+            raise engine_error(e) from e
         is_disconnected = raw_request.is_disconnected if raw_request is not None else None
         run = _ChatRun(request_id, model, request, len(prompt.token_ids))
         if request.stream:

@@ -30,6 +30,7 @@ from tokenos.entrypoints.openai.serving_engine import (
     merge_outputs,
     sse,
 )
+from tokenos.sampling_params import SamplingParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -40,24 +41,32 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.check_model(request.model)
         self.check_engine()
         params = request.to_sampling_params()
-        prompts = [self._tokenize(p, request.echo) for p in request.prompts()]
-        door = self.input_processor
-        for prompt in prompts:
-            door.check_prompt(prompt.token_ids)
-            door.check_context(len(prompt.token_ids), params.max_tokens)
-        door.check_params(params)
+        self.input_processor.check_params(params)
+        prompts = await self.off_loop(self._prepare_prompts, request, params)
         base_id = random_id("cmpl")
         run = _Run(base_id, model, request, prompts, params.n)
-        generators = [
-            self.engine.generate(
-                prompt, params, rid, priority=request.priority, cache_salt=request.cache_salt
-            )
-            for prompt, rid in zip(prompts, run.request_ids, strict=True)
-        ]
+        try:  # admission happens here, before any byte of the response: refusals keep their status
+            generators = [
+                self.engine.generate(
+                    prompt, params, rid, priority=request.priority, cache_salt=request.cache_salt
+                )
+                for prompt, rid in zip(prompts, run.request_ids, strict=True)
+            ]
+        except Exception as e:
+            raise engine_error(e) from e
         is_disconnected = raw_request.is_disconnected if raw_request is not None else None
         if request.stream:
             return self._stream(run, generators, is_disconnected)
         return await self._complete(run, generators, is_disconnected)
+
+    def _prepare_prompts(self, request: CompletionRequest, params: SamplingParams) -> list[Prompt]:
+        """Every prompt tokenized and checked (in a worker thread: prompts may be large)."""
+        door = self.input_processor
+        prompts = [self._tokenize(p, request.echo) for p in request.prompts()]
+        for prompt in prompts:
+            door.check_prompt(prompt.token_ids)
+            door.check_context(len(prompt.token_ids), params.max_tokens)
+        return prompts
 
     def _tokenize(self, prompt: str | list[int], echo: bool) -> Prompt:
         """Text is encoded; token ids are kept, and decoded (ids checked first) when echoed."""

@@ -14,12 +14,13 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Executor
 from typing import Any
 
 from pydantic import BaseModel
 
 from tokenos.core.validation import InvalidRequestError
-from tokenos.engine.core_client import EngineDeadError
+from tokenos.engine.core_client import EngineDeadError, EngineOverloadedError, RequestFailedError
 from tokenos.entrypoints.openai.protocol import OpenAIError, UsageInfo
 
 DISCONNECT_POLL_S = 0.5
@@ -50,6 +51,10 @@ def engine_error(e: BaseException) -> OpenAIError:
         return e
     if isinstance(e, EngineDeadError):
         return OpenAIError(f"The engine is dead: {e}", status=503, code="engine_dead")
+    if isinstance(e, EngineOverloadedError):
+        return OpenAIError(f"The server is overloaded: {e}", status=429, code="queue_full", retry_after=1)
+    if isinstance(e, RequestFailedError):
+        return OpenAIError(f"The engine failed this request: {e}", status=500, code="request_failed")
     if isinstance(e, InvalidRequestError):
         return OpenAIError(e.message, param=e.param)
     if isinstance(e, ValueError):
@@ -89,10 +94,15 @@ async def merge_outputs(
 class OpenAIServing:
     """Base of the endpoint handlers: the engine, the served names and the checks every request needs."""
 
-    def __init__(self, engine: Any, served_model_names: list[str]) -> None:
+    def __init__(self, engine: Any, served_model_names: list[str], executor: Executor | None = None) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_model_len: int = engine.model_config.max_model_len
+        self.executor = executor  # where front-door work runs (None: the event loop's default pool)
+
+    async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in a worker thread: tokenizing a large prompt must not stall other clients."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
     @property
     def tokenizer(self) -> Any:
