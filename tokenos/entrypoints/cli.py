@@ -1,4 +1,4 @@
-"""The `tokenos` command: `generate`, `serve` and `bench {throughput,serve,scheduler}`."""
+"""The `tokenos` command: `generate`, `serve` and `bench {throughput,serve,scheduler,hybrid,kernels}`."""
 
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ def _bench(argv: list[str]) -> int:
         "serve": "tokenos.bench.serve",
         "scheduler": "tokenos.bench.scheduler",
         "hybrid": "tokenos.bench.hybrid",
+        "kernels": "tokenos.bench.kernels",
     }
     if not argv or argv[0] not in kinds:
         print(f"usage: tokenos bench {{{','.join(kinds)}}} [options]", file=sys.stderr)

@@ -1,0 +1,38 @@
+"""`tokenos bench kernels` (tokenos/bench/kernels.py): every section runs on tiny shapes and reports
+a positive rate against the limits it measured."""
+
+from __future__ import annotations
+
+import argparse
+
+from tokenos.bench import kernels
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    kernels.add_args(parser)
+    tiny = ["--batches", "2", "--contexts", "40", "--rows", "1", "3", "--hidden", "64"]
+    tiny += ["--intermediate", "96", "--vocab", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
+    return parser.parse_args(tiny + list(argv))
+
+
+def test_every_section_reports_a_positive_rate(monkeypatch):
+    monkeypatch.setattr(kernels, "copy_bandwidth", lambda: 10.0)  # the real one streams 256 MiB
+    monkeypatch.setattr(kernels, "gemm_peak", lambda dtype: 100.0)
+    monkeypatch.setattr(kernels, "timed", lambda fn, **_: (fn(), 1e-3)[1])
+    rows = kernels.run(_args("--dtype", "float32"))
+    names = {row["kernel"] for row in rows}
+    assert {"copy", "gemm_2048"} <= names
+    assert any(name.startswith("decode") for name in names), names
+    assert any(name.startswith("prefill") for name in names), names
+    assert sum(row["kernel"].startswith("linear") for row in rows) == 2 * 5, names
+    for row in rows:
+        rate = row.get("GB_s", row.get("GFLOP_s"))
+        assert rate is not None and rate > 0, row
+        assert row["dtype"] == "float32"
+    assert all("pct_bandwidth" in row for row in rows if "GB_s" in row and row["kernel"] != "copy")
+
+
+def test_max_kv_gib_skips_shapes_too_large():
+    rows = kernels.run(_args("--sections", "decode", "--max-kv-gib", "0", "--dtype", "float32"))
+    assert rows == []

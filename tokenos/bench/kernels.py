@@ -1,0 +1,215 @@
+"""`tokenos bench kernels`: this machine's limits, then each hot kernel at the shapes that matter.
+
+First the two limits every kernel is held against: copy bandwidth (a large tensor copied, read + write
+bytes / time) and GEMM peak per dtype (a 2048-cube matmul). Then, on the embedded SmolLM2's shapes by
+default (9 query heads, 3 KV heads of 64, hidden 576, MLP 1536, vocab 49152; override with flags):
+
+- decode attention over the paged cache at batch x context, achieved GB/s of K/V read and % of copy
+  bandwidth;
+- prefill attention on chunks with and without a cached prefix, GFLOP/s and % of GEMM peak;
+- each linear at M rows, GB/s of weights and GFLOP/s (% of the better limit);
+- RMSNorm (+ residual), SiLU-and-mul, rotary: GB/s.
+
+One JSON line per measurement (``--table`` prints a table instead). Times are the median of repeated
+calls after warm-up; the machine should be otherwise idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from tokenos.platform import native_bf16_supported, torch_dtype
+
+
+def timed(fn: Callable[[], object], min_time_s: float = 0.2, warmup: int = 3) -> float:
+    """Median seconds of one call of ``fn`` (repeated until ``min_time_s`` has passed, at least 5x)."""
+    for _ in range(warmup):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < 5 or time.perf_counter() - start < min_time_s:
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(nbytes: int = 1 << 28) -> float:
+    """GB/s of a large copy (bytes read + bytes written)."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    return 2 * nbytes / timed(lambda: dst.copy_(src)) / 1e9
+
+
+def gemm_peak(dtype: torch.dtype, n: int = 2048) -> float:
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+    return 2 * n**3 / timed(lambda: a @ b) / 1e9
+
+
+def decode_attention(batch: int, context: int, args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    from tokenos.layers.attention import Attention, allocate_kv_cache
+    from tokenos.layers.attention_metadata import build_attention_metadata
+
+    block = args.block_size
+    blocks_per_req = -(-context // block)
+    cache = allocate_kv_cache(batch * blocks_per_req + 1, block, args.kv_heads, args.head_dim, dtype)
+    cache.normal_()
+    tables = [list(range(1 + r * blocks_per_req, 1 + (r + 1) * blocks_per_req)) for r in range(batch)]
+    meta = build_attention_metadata(tables, [context - 1] * batch, [1] * batch, block)
+    attn = Attention(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)
+    q = torch.randn(batch, args.heads, args.head_dim).to(dtype)
+    k = torch.randn(batch, args.kv_heads, args.head_dim).to(dtype)
+    v = torch.randn_like(k)
+    seconds = timed(lambda: attn.attend(q, k, v, cache, meta))
+    kv_bytes = batch * context * 2 * args.kv_heads * args.head_dim * dtype.itemsize
+    return {"kernel": "decode_attention", "batch": batch, "context": context, "us": seconds * 1e6,
+            "GB_s": kv_bytes / seconds / 1e9}  # fmt: skip
+
+
+def prefill_attention(chunk: int, prefix: int, args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    from tokenos.layers.attention import Attention, allocate_kv_cache
+    from tokenos.layers.attention_metadata import build_attention_metadata
+
+    block = args.block_size
+    total = prefix + chunk
+    nblocks = -(-total // block)
+    cache = allocate_kv_cache(nblocks + 1, block, args.kv_heads, args.head_dim, dtype)
+    cache.normal_()
+    meta = build_attention_metadata([list(range(1, nblocks + 1))], [prefix], [chunk], block)
+    attn = Attention(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)
+    q = torch.randn(chunk, args.heads, args.head_dim).to(dtype)
+    k = torch.randn(chunk, args.kv_heads, args.head_dim).to(dtype)
+    v = torch.randn_like(k)
+    seconds = timed(lambda: attn.attend(q, k, v, cache, meta))
+    # causal: each query attends to prefix + its position; QK^T and PV, 2 flops per MAC
+    pairs = chunk * prefix + chunk * (chunk + 1) / 2
+    flops = 4 * pairs * args.heads * args.head_dim
+    return {"kernel": "prefill_attention", "chunk": chunk, "prefix": prefix, "us": seconds * 1e6,
+            "GFLOP_s": flops / seconds / 1e9}  # fmt: skip
+
+
+def linear(name: str, m: int, n: int, k: int, dtype: torch.dtype) -> dict:
+    from tokenos.layers.linear import Linear
+
+    layer = Linear(k, n)
+    layer.weight.data = torch.randn(n, k).to(dtype)
+    x = torch.randn(m, k).to(dtype)
+    seconds = timed(lambda: layer(x))
+    weight_gb = n * k * dtype.itemsize / 1e9
+    return {"kernel": f"linear_{name}", "M": m, "N": n, "K": k, "us": seconds * 1e6,
+            "GB_s": weight_gb / seconds, "GFLOP_s": 2 * m * n * k / seconds / 1e9}  # fmt: skip
+
+
+def elementwise(tokens: int, args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
+    from tokenos.layers.activation import SiluAndMul
+    from tokenos.layers.layernorm import RMSNorm
+    from tokenos.layers.rotary import RotaryEmbedding
+
+    hidden, inter = args.hidden, args.intermediate
+    norm = RMSNorm(hidden)
+    norm.weight.data = torch.ones(hidden, dtype=dtype)
+    x, res = torch.randn(tokens, hidden).to(dtype), torch.randn(tokens, hidden).to(dtype)
+    gate_up = torch.randn(tokens, 2 * inter).to(dtype)
+    rope = RotaryEmbedding(args.head_dim, 4096, 10000.0, None)
+    pos = torch.randint(0, 4096, (tokens,))
+    q = torch.randn(tokens, args.heads, args.head_dim).to(dtype)
+    kk = torch.randn(tokens, args.kv_heads, args.head_dim).to(dtype)
+    e = dtype.itemsize
+    rows = []
+    for name, fn, nbytes in (
+        ("rmsnorm_residual", lambda: norm(x, res), 4 * tokens * hidden * e),
+        ("silu_and_mul", lambda: SiluAndMul()(gate_up), 3 * tokens * inter * e),
+        ("rotary", lambda: rope(rope.cos_sin(pos, dtype), q, kk), 2 * (q.numel() + kk.numel()) * e),
+    ):
+        seconds = timed(fn)
+        rows.append({"kernel": name, "tokens": tokens, "us": seconds * 1e6, "GB_s": nbytes / seconds / 1e9})
+    return rows
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 where native, else float32")
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=576)
+    parser.add_argument("--intermediate", type=int, default=1536)
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048, 8192])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 2048])
+    parser.add_argument(
+        "--sections", nargs="+", default=["limits", "decode", "prefill", "linear", "elementwise"]
+    )
+    parser.add_argument("--table", action="store_true", help="a table instead of JSON lines")
+    parser.add_argument("--max-kv-gib", type=float, default=4.0, help="skip decode shapes needing more")
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    dtype = torch.bfloat16 if args.dtype == "auto" and native_bf16_supported() else None
+    dtype = dtype or (torch.float32 if args.dtype == "auto" else torch_dtype(args.dtype))
+    rows: list[dict] = []
+    bandwidth = peak = None
+    if "limits" in args.sections:
+        bandwidth = copy_bandwidth()
+        peak = gemm_peak(dtype)
+        rows += [
+            {"kernel": "copy", "GB_s": bandwidth},
+            {"kernel": "gemm_2048", "GFLOP_s": peak},
+        ]
+    if "decode" in args.sections:
+        for batch in args.batches:
+            for context in args.contexts:
+                kv = batch * context * 2 * args.kv_heads * args.head_dim * dtype.itemsize
+                if kv > args.max_kv_gib * (1 << 30):
+                    continue
+                rows.append(decode_attention(batch, context, args, dtype))
+    if "prefill" in args.sections:
+        for chunk, prefix in ((512, 0), (512, 1536), (2048, 0), (2048, 2048)):
+            rows.append(prefill_attention(chunk, prefix, args, dtype))
+    if "linear" in args.sections:
+        shapes = {
+            "qkv": (args.heads * args.head_dim + 2 * args.kv_heads * args.head_dim, args.hidden),
+            "o": (args.hidden, args.heads * args.head_dim),
+            "gate_up": (2 * args.intermediate, args.hidden),
+            "down": (args.hidden, args.intermediate),
+            "lm_head": (args.vocab, args.hidden),
+        }
+        for m in args.rows:
+            for name, (n, k) in shapes.items():
+                rows.append(linear(name, m, n, k, dtype))
+    if "elementwise" in args.sections:
+        for tokens in (64, 2048):
+            rows += elementwise(tokens, args, dtype)
+    for row in rows:
+        row.setdefault("dtype", str(dtype).removeprefix("torch."))
+        if bandwidth and "GB_s" in row and row["kernel"] != "copy":
+            row["pct_bandwidth"] = 100 * row["GB_s"] / bandwidth
+        if peak and "GFLOP_s" in row and row["kernel"] != "gemm_2048":
+            row["pct_peak"] = 100 * row["GFLOP_s"] / peak
+        for key, value in row.items():
+            if isinstance(value, float):
+                row[key] = round(value, 2)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="tokenos bench kernels", description=__doc__.splitlines()[0])
+    add_args(parser)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    for row in run(args):
+        if args.table:
+            print("  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        else:
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
