@@ -69,11 +69,8 @@ def decode_path(request, monkeypatch):
 
 @pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("padded_pages", [False, True])
-@pytest.mark.parametrize("tile", [256, 5])
-def test_paged_attention_matches_dense(window, padded_pages, tile, decode_path, monkeypatch):
-    import tokenos.layers.attention as attention
+def test_paged_attention_matches_dense(window, padded_pages, decode_path, monkeypatch):
 
-    monkeypatch.setattr(attention, "PREFILL_QUERY_TILE", tile)  # 5: chunks span several query tiles
     torch.manual_seed(0)
     rng = random.Random(0)
     block_size, num_blocks = 4, 80
@@ -131,3 +128,42 @@ def test_c_kernel_matches_torch_path_in_bfloat16(monkeypatch):
     fresh_meta = build_attention_metadata(tables, [n - 1 for n in lens], [1] * len(lens), block_size)
     slow = attn.attend(q, k, v, cache.clone(), fresh_meta)
     torch.testing.assert_close(fast, slow.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_size"),
+    [(4, 2, 8), (4, 2, 16), (9, 3, 64), (8, 2, 32), (4, 4, 16), (8, 1, 128), (6, 3, 48), (2, 1, 256)],
+)
+@pytest.mark.parametrize("window", [None, 37])
+def test_c_kernel_matches_torch_path_over_shapes(dtype, heads, kv_heads, head_size, window, monkeypatch):
+    """Every path of the C kernel (vector tiles for each GQA group and head size, the generic loop,
+    splits of long contexts merged by log-sum-exp, windows, partial last tiles) against the torch path."""
+    import tokenos.layers.attention as attention
+    from tokenos.layers import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler: the C decode kernel could not be built")
+    torch.manual_seed(head_size + heads)
+    block_size = 16
+    lens = [1, 5, 16, 17, 300, 1100]
+    tables, first = [], 1
+    for n in lens:
+        count = -(-n // block_size)
+        tables.append(list(range(first, first + count))[::-1])  # pages in any order
+        first += count
+    cache = torch.randn(first, 2, block_size, kv_heads, head_size).to(dtype)
+    q = torch.randn(len(lens), heads, head_size).to(dtype)
+    k, v = (torch.randn(len(lens), kv_heads, head_size).to(dtype) for _ in range(2))
+    attn = Attention(heads, kv_heads, head_size, head_size**-0.5, sliding_window=window)
+
+    def run(c_kernel: bool) -> torch.Tensor:
+        # The kernel reads the cache in `dtype` and widens it exactly; the reference is the float32
+        # torch path over the same (rounded) values, so both compute the same float32 math.
+        monkeypatch.setattr(attention, "_use_c_kernel", lambda kv_cache: c_kernel)
+        meta = build_attention_metadata(tables, [n - 1 for n in lens], [1] * len(lens), block_size)
+        pages = cache.clone() if c_kernel else cache.float()
+        new_k, new_v = (t if c_kernel else t.float() for t in (k, v))
+        return attn.attend(q.float(), new_k, new_v, pages, meta).float()
+
+    torch.testing.assert_close(run(True), run(False), atol=1e-5, rtol=1e-4)

@@ -121,25 +121,21 @@ class AttentionMetadata:
             self._cache[key] = mask[:, None, None, :]
         return self._cache[key]
 
-    def prefill_tile(
-        self, i: int, t0: int, t1: int, window: int | None, group: int
-    ) -> tuple[int, int, torch.Tensor]:
-        """Queries [t0, t1) of chunk i: the key range [lo, hi) they can see and the additive bias
-        [group * (t1 - t0), hi - lo] (0 allowed, -inf masked), rows repeated per query head of
-        a KV head. Keys past the tile's last query are never read (causal), nor keys left of
-        the tile's first window."""
-        key = ("prefill_tile", i, t0, t1, window, group)
+    def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
+        """bool [chunk length, sequence length]: which keys each query of chunk i sees (causal,
+        aligned to the end of its cached prefix, and within the window); None when plain causal
+        attention over the chunk alone is exactly that (no prefix, no window)."""
+        chunk = self.prefills[i]
+        if chunk.num_computed == 0 and window is None:
+            return None
+        key = ("prefill_mask", i, window)
         if key not in self._cache:
-            chunk = self.prefills[i]
-            first, last = chunk.num_computed + t0, chunk.num_computed + t1 - 1
-            lo = max(0, first - window + 1) if window is not None else 0
-            q_pos = torch.arange(first, last + 1)[:, None]
-            k_pos = torch.arange(lo, last + 1)[None, :]
+            q_pos = torch.arange(chunk.num_computed, chunk.seq_len)[:, None]
+            k_pos = torch.arange(chunk.seq_len)[None, :]
             allowed = k_pos <= q_pos
             if window is not None:
                 allowed &= k_pos > q_pos - window
-            bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))
-            self._cache[key] = (lo, last + 1, bias.repeat(group, 1))
+            self._cache[key] = allowed
         return self._cache[key]
 
 

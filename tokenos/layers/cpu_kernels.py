@@ -24,6 +24,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SRC = Path(__file__).parent / "csrc" / "paged_attention.c"
+MAX_HEAD_SIZE = 512  # MAX_HEAD in the C source
 _P = ctypes.c_void_p
 _I = ctypes.c_int
 _ARGTYPES = [_P, _P, ctypes.c_int64, _I, _P, _I, _P, _I, _I, _I, _I, ctypes.c_float, _I, _P]
@@ -60,11 +61,22 @@ def _build(src: Path, out: Path) -> None:
         os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
 
 
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        import platform
+
+        return platform.processor()
+
+
 @cache
 def load() -> ctypes.CDLL | None:
     if os.environ.get("TOKENOS_DISABLE_C_KERNELS") == "1":
         return None
-    source = _SRC.read_bytes() + " ".join(CFLAGS).encode()
+    # -march=native: a library is valid for this CPU only, so the CPU's flags are part of its key.
+    source = _SRC.read_bytes() + " ".join(CFLAGS).encode() + _cpu_flags().encode()
     digest = hashlib.sha256(source).hexdigest()[:16]
     lib_path = _cache_dir() / f"paged_attention_{digest}.so"
     try:

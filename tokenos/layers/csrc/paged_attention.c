@@ -1,18 +1,31 @@
-/* Paged decode attention for CPUs: one query token per request, keys and values read in
- * place from the paged KV cache (no gather, no padding).
+/* Paged decode attention for CPUs: one query token per request, keys and values read in place
+ * from the paged KV cache (no gather, no padding), one pass over them (online softmax).
  *
  * Cache layout per layer (see tokenos/layers/attention.py): page b starts at element
- * b * page_stride; its K rows are [block_size, num_kv_heads, head_size], its V rows follow
- * at + block_size * num_kv_heads * head_size. Work is split over requests; a request walks its
- * tokens once for K (all heads: a token's row is contiguous) and once for V, with a two-pass
- * softmax in between. Dot products and axpys use AVX2 when the head size allows. */
+ * b * page_stride; its K rows are [block_size, num_kv_heads, head_size], its V rows follow at
+ * + block_size * num_kv_heads * head_size.
+ *
+ * Work items are (request, KV head, split): the query heads sharing a KV head (GQA) are processed
+ * together, so each K and V row is read once; a long context is cut into splits (flash-decoding)
+ * so that few long requests still keep every thread busy, and the splits are merged with their
+ * log-sum-exp. Inside an item, tokens go in tiles of TILE: scores for the tile (K read once), an
+ * online-softmax update with a vectorized exp, then the tile's V rows (read once) accumulate into
+ * float32 outputs. bf16 rows are widened to float32 on the fly; every product and sum is float32.
+ *
+ * The inner loops over the head dimension are plain C written for the compiler's vectorizer: the
+ * library is compiled on first use with -march=native (see tokenos/layers/cpu_kernels.py), so they
+ * become AVX-512, AVX2 or SSE code for the CPU it runs on. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX2__
-#include <immintrin.h>
+#ifdef _OPENMP
+#include <omp.h>
 #endif
+
+#define TILE 16
+#define MAX_GROUP 16   /* query heads per KV head handled in one item */
+#define MAX_HEAD 512   /* head sizes above this take the caller's fallback */
 
 static inline float bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } x;
@@ -20,164 +33,370 @@ static inline float bf16_to_f32(uint16_t h) {
     return x.f;
 }
 
-/* Widen one head vector to float32 (a no-op copy avoided for float32 caches). */
-static inline const float *row_f32(const float *src, float *buf, int d) { (void)buf; (void)d; return src; }
-static inline const float *row_bf16(const uint16_t *src, float *buf, int d) {
-#ifdef __AVX2__
-    int i = 0;
-    for (; i + 8 <= d; i += 8) {
-        __m128i h = _mm_loadu_si128((const __m128i *)(src + i));
-        __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-        _mm256_storeu_ps(buf + i, _mm256_castsi256_ps(w));
+static inline void widen_f32(const float *restrict src, float *restrict dst, int d) {
+    memcpy(dst, src, sizeof(float) * (size_t)d);
+}
+
+static inline void widen_bf16(const uint16_t *restrict src, float *restrict dst, int d) {
+    for (int i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
+}
+
+/* exp(x) for x <= 0 (scores minus their max), vectorizable: 2^(x log2 e) = 2^n * 2^f with a
+ * degree-6 polynomial for 2^f on [-0.5, 0.5] (relative error ~2e-7); x < -87 gives 0. */
+static inline void exp_tile(float *restrict x, int n) {
+    for (int i = 0; i < n; i++) {
+        float t = x[i] * 1.44269504088896341f;
+        t = t < -126.f ? -126.f : t;
+        float fn = __builtin_roundf(t);
+        float f = t - fn;
+        float p = 1.535336188319500e-4f;
+        p = p * f + 1.339887440266574e-3f;
+        p = p * f + 9.618437357674640e-3f;
+        p = p * f + 5.550332471162809e-2f;
+        p = p * f + 2.402264791363012e-1f;
+        p = p * f + 6.931472028550421e-1f;
+        p = p * f + 1.0f;
+        union { int32_t i; float f; } s;
+        s.i = ((int32_t)fn + 127) << 23;
+        float r = p * s.f;
+        x[i] = x[i] < -87.f ? 0.f : r;
     }
-    for (; i < d; i++) buf[i] = bf16_to_f32(src[i]);
-#else
-    for (int i = 0; i < d; i++) buf[i] = bf16_to_f32(src[i]);
-#endif
-    return buf;
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, int d) {
-#ifdef __AVX2__
-    if ((d & 15) == 0) {
-        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-        for (int i = 0; i < d; i += 16) {
-            s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-            s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-        }
-        __m256 s = _mm256_add_ps(s0, s1);
-        __m128 lo = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-        lo = _mm_hadd_ps(lo, lo);
-        lo = _mm_hadd_ps(lo, lo);
-        return _mm_cvtss_f32(lo);
-    }
-#endif
     float s = 0.f;
     for (int i = 0; i < d; i++) s += a[i] * b[i];
     return s;
 }
 
-static inline void axpy(float *restrict y, float p, const float *restrict x, int d) {
-#ifdef __AVX2__
-    if ((d & 7) == 0) {
-        __m256 vp = _mm256_set1_ps(p);
-        for (int i = 0; i < d; i += 8)
-            _mm256_storeu_ps(y + i, _mm256_fmadd_ps(vp, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-        return;
+/* Attend query heads [h0, h0 + g) of request r, which share KV head kh, over tokens [t0, t1) of
+ * the request's visible range (positions start + t). Writes unnormalized outputs o[g][d] and the
+ * running max m[g] and sum l[g] (the caller normalizes or merges splits). */
+#define DEFINE_ITEM(NAME, T, WIDEN)                                                               \
+static void NAME(const float *restrict q, const T *restrict cache, int64_t page_stride,          \
+                 int block_size, const int32_t *restrict blocks, int start, int t0, int t1,       \
+                 int kh, int g, int d, int64_t row, int64_t v_offset, float scale,               \
+                 float *restrict o, float *restrict m, float *restrict l) {                      \
+    float qs[MAX_GROUP][MAX_HEAD];                                                                \
+    float s[MAX_GROUP][TILE];                                                                     \
+    float kv[TILE][MAX_HEAD];                                                                     \
+    for (int h = 0; h < g; h++) {                                                                 \
+        for (int i = 0; i < d; i++) qs[h][i] = q[(int64_t)h * d + i] * scale;                    \
+        m[h] = -INFINITY;                                                                         \
+        l[h] = 0.f;                                                                               \
+        memset(o + (int64_t)h * d, 0, sizeof(float) * (size_t)d);                                \
+    }                                                                                             \
+    const T *rows[TILE];                                                                          \
+    for (int tile = t0; tile < t1; tile += TILE) {                                                \
+        const int n = t1 - tile < TILE ? t1 - tile : TILE;                                        \
+        for (int i = 0; i < n; i++) {                                                             \
+            const int pos = start + tile + i;                                                     \
+            rows[i] = cache + (int64_t)blocks[pos / block_size] * page_stride                     \
+                      + (int64_t)(pos % block_size) * row + (int64_t)kh * d;                      \
+            WIDEN(rows[i], kv[i], d);                                                             \
+        }                                                                                         \
+        for (int h = 0; h < g; h++)                                                               \
+            for (int i = 0; i < n; i++) s[h][i] = dot(qs[h], kv[i], d);                           \
+        for (int i = 0; i < n; i++) WIDEN(rows[i] + v_offset, kv[i], d);                          \
+        for (int h = 0; h < g; h++) {                                                             \
+            float mt = m[h];                                                                      \
+            for (int i = 0; i < n; i++) mt = s[h][i] > mt ? s[h][i] : mt;                         \
+            float alpha = m[h] - mt; /* -inf on the first tile: the old sum and outputs are 0 */ \
+            exp_tile(&alpha, 1);                                                                  \
+            for (int i = 0; i < n; i++) s[h][i] -= mt;                                            \
+            exp_tile(s[h], n);                                                                    \
+            float sum = 0.f;                                                                      \
+            for (int i = 0; i < n; i++) sum += s[h][i];                                           \
+            l[h] = l[h] * alpha + sum;                                                            \
+            m[h] = mt;                                                                            \
+            float *restrict oh = o + (int64_t)h * d;                                              \
+            for (int j = 0; j < d; j++) oh[j] *= alpha;                                           \
+            for (int i = 0; i < n; i++) {                                                         \
+                const float p = s[h][i];                                                          \
+                const float *restrict v = kv[i];                                                  \
+                for (int j = 0; j < d; j++) oh[j] += p * v[j];                                    \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+}
+
+DEFINE_ITEM(item_f32, float, widen_f32)
+DEFINE_ITEM(item_bf16, uint16_t, widen_bf16)
+
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16_bf16(const uint16_t *p) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* exp of 16 lanes (x <= 0), the same polynomial as exp_tile. */
+static inline __m512 exp16(__m512 x) {
+    __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
+    __m512 fn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, fn);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fn), _mm512_set1_epi32(127)), 23);
+    __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+    return _mm512_maskz_mov_ps((__mmask16)~under, r);
+}
+
+#define AVX_MAX_G 4
+#define AVX_MAX_DV 16 /* head sizes up to 256 */
+#define AVX_MAX_HEADS 128
+
+/* 16 vectors -> one vector of their 16 horizontal sums (lane i = sum of v[i]'s lanes), by a
+ * transpose-and-add tree: 45 shuffles and adds where 16 separate reductions take about 130. */
+static inline __m512 sum16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
     }
+    /* b[i], 128-bit lane L, element e: partial (lane L) sum of token 4i + e. */
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+
+/* One tile of up to 16 tokens for one KV head and its G query heads (head size 16 * DV), with the
+ * queries and outputs of those heads in registers; G and DV are compile-time constants so the loops
+ * unroll. The online-softmax state m, l of the G heads is updated in place. */
+#define DEFINE_TILE(NAME, T, LOAD, G, DV)                                                          \
+static inline void NAME(const float *restrict qk, float *restrict ok, const T *const *rows, int n, \
+                        int64_t k_off, int64_t v_off, float *restrict m, float *restrict l) {      \
+    /* The tile's K rows widened once into float32 (rows past n are zeros: their scores are      \
+     * masked), then one pass per query head with its 16 per-token accumulators in registers.   */\
+    float kbuf[TILE][16 * DV] __attribute__((aligned(64)));                                       \
+    for (int i = 0; i < TILE; i++)                                                                \
+        for (int j = 0; j < DV; j++)                                                              \
+            _mm512_store_ps(kbuf[i] + 16 * j, i < n ? LOAD(rows[i] + k_off + 16 * j) : _mm512_setzero_ps()); \
+    __m512 scores[G];                                                                             \
+    for (int h = 0; h < G; h++) {                                                                 \
+        __m512 qh[DV], acc[TILE];                                                                 \
+        for (int j = 0; j < DV; j++) qh[j] = _mm512_load_ps(qk + (h * DV + j) * 16);             \
+        for (int i = 0; i < TILE; i++) {                                                          \
+            acc[i] = _mm512_mul_ps(qh[0], _mm512_load_ps(kbuf[i]));                               \
+            for (int j = 1; j < DV; j++)                                                          \
+                acc[i] = _mm512_fmadd_ps(qh[j], _mm512_load_ps(kbuf[i] + 16 * j), acc[i]);         \
+        }                                                                                         \
+        scores[h] = sum16(acc);                                                                   \
+    }                                                                                             \
+    const __mmask16 live = (__mmask16)((1u << n) - 1);                                            \
+    float p[G][TILE] __attribute__((aligned(64)));                                                \
+    for (int h = 0; h < G; h++) {                                                                 \
+        const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, scores[h]);          \
+        const float mt = fmaxf(m[h], _mm512_reduce_max_ps(s));                                    \
+        const float alpha = m[h] == -INFINITY ? 0.f : expf(m[h] - mt);                            \
+        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mt))));  \
+        l[h] = l[h] * alpha + _mm512_reduce_add_ps(e);                                            \
+        m[h] = mt;                                                                                \
+        _mm512_store_ps(p[h], e);                                                                 \
+        if (alpha != 1.f)                                                                         \
+            for (int j = 0; j < DV; j++)                                                          \
+                _mm512_store_ps(ok + (h * DV + j) * 16,                                           \
+                                _mm512_mul_ps(_mm512_load_ps(ok + (h * DV + j) * 16), _mm512_set1_ps(alpha))); \
+    }                                                                                             \
+    __m512 o[G][DV];                                                                              \
+    for (int h = 0; h < G; h++)                                                                   \
+        for (int j = 0; j < DV; j++) o[h][j] = _mm512_load_ps(ok + (h * DV + j) * 16);            \
+    for (int i = 0; i < n; i++) {                                                                 \
+        const T *v = rows[i] + v_off;                                                             \
+        __m512 pi[G];                                                                             \
+        for (int h = 0; h < G; h++) pi[h] = _mm512_set1_ps(p[h][i]);                              \
+        for (int j = 0; j < DV; j++) {                                                            \
+            const __m512 vj = LOAD(v + 16 * j);                                                   \
+            for (int h = 0; h < G; h++) o[h][j] = _mm512_fmadd_ps(pi[h], vj, o[h][j]);            \
+        }                                                                                         \
+    }                                                                                             \
+    for (int h = 0; h < G; h++)                                                                   \
+        for (int j = 0; j < DV; j++) _mm512_store_ps(ok + (h * DV + j) * 16, o[h][j]);            \
+}
+
+#define DEFINE_TILES(T, LOAD)                                                                     \
+    DEFINE_TILE(tile_##T##_1_4, T, LOAD, 1, 4) DEFINE_TILE(tile_##T##_2_4, T, LOAD, 2, 4)        \
+    DEFINE_TILE(tile_##T##_3_4, T, LOAD, 3, 4) DEFINE_TILE(tile_##T##_4_4, T, LOAD, 4, 4)        \
+    DEFINE_TILE(tile_##T##_1_8, T, LOAD, 1, 8) DEFINE_TILE(tile_##T##_2_8, T, LOAD, 2, 8)        \
+    DEFINE_TILE(tile_##T##_3_8, T, LOAD, 3, 8) DEFINE_TILE(tile_##T##_4_8, T, LOAD, 4, 8)        \
+    DEFINE_TILE(tile_##T##_1_16, T, LOAD, 1, 16) DEFINE_TILE(tile_##T##_2_16, T, LOAD, 2, 16)    \
+    DEFINE_TILE(tile_##T##_1_2, T, LOAD, 1, 2) DEFINE_TILE(tile_##T##_2_2, T, LOAD, 2, 2)        \
+    DEFINE_TILE(tile_##T##_3_2, T, LOAD, 3, 2) DEFINE_TILE(tile_##T##_4_2, T, LOAD, 4, 2)        \
+    DEFINE_TILE(tile_##T##_1_1, T, LOAD, 1, 1) DEFINE_TILE(tile_##T##_2_1, T, LOAD, 2, 1)        \
+    DEFINE_TILE(tile_##T##_3_1, T, LOAD, 3, 1) DEFINE_TILE(tile_##T##_4_1, T, LOAD, 4, 1)
+
+typedef void (*tile_f32_fn)(const float *, float *, const float *const *, int, int64_t, int64_t, float *, float *);
+typedef void (*tile_bf16_fn)(const float *, float *, const uint16_t *const *, int, int64_t, int64_t, float *, float *);
+DEFINE_TILES(float, load16_f32)
+DEFINE_TILES(uint16_t, load16_bf16)
+
+#define TILE_TABLE(T)                                                                             \
+static void *tile_fn_##T(int g, int dv) {                                                         \
+    switch (dv * 8 + g) {                                                                         \
+    case 4 * 8 + 1: return (void *)tile_##T##_1_4;  case 4 * 8 + 2: return (void *)tile_##T##_2_4; \
+    case 4 * 8 + 3: return (void *)tile_##T##_3_4;  case 4 * 8 + 4: return (void *)tile_##T##_4_4; \
+    case 8 * 8 + 1: return (void *)tile_##T##_1_8;  case 8 * 8 + 2: return (void *)tile_##T##_2_8; \
+    case 8 * 8 + 3: return (void *)tile_##T##_3_8;  case 8 * 8 + 4: return (void *)tile_##T##_4_8; \
+    case 16 * 8 + 1: return (void *)tile_##T##_1_16; case 16 * 8 + 2: return (void *)tile_##T##_2_16; \
+    case 2 * 8 + 1: return (void *)tile_##T##_1_2;  case 2 * 8 + 2: return (void *)tile_##T##_2_2; \
+    case 2 * 8 + 3: return (void *)tile_##T##_3_2;  case 2 * 8 + 4: return (void *)tile_##T##_4_2; \
+    case 1 * 8 + 1: return (void *)tile_##T##_1_1;  case 1 * 8 + 2: return (void *)tile_##T##_2_1; \
+    case 1 * 8 + 3: return (void *)tile_##T##_3_1;  case 1 * 8 + 4: return (void *)tile_##T##_4_1; \
+    default: return 0;                                                                            \
+    }                                                                                             \
+}
+TILE_TABLE(float)
+TILE_TABLE(uint16_t)
+
+/* The item for the vector path, over ALL KV heads of one request (a tile's K and V rows are then
+ * read as contiguous runs of memory): per tile, each KV head's tile kernel. */
+#define DEFINE_ITEM_AVX(NAME, T, FNTYPE)                                                          \
+static void NAME(const float *restrict q, const T *restrict cache, int64_t page_stride,          \
+                 int block_size, const int32_t *restrict blocks, int start, int t0, int t1,       \
+                 int num_kv_heads, int g, int d, int64_t row, int64_t v_offset, float scale,     \
+                 float *restrict o, float *restrict m, float *restrict l) {                      \
+    const int heads = num_kv_heads * g;                                                           \
+    const FNTYPE fn = (FNTYPE)tile_fn_##T(g, d / 16);                                             \
+    float qs[AVX_MAX_HEADS * 16 * AVX_MAX_DV] __attribute__((aligned(64)));                       \
+    float os[AVX_MAX_HEADS * 16 * AVX_MAX_DV] __attribute__((aligned(64)));                       \
+    for (int i = 0; i < heads * d; i++) { qs[i] = q[i] * scale; os[i] = 0.f; }                    \
+    for (int h = 0; h < heads; h++) { m[h] = -INFINITY; l[h] = 0.f; }                             \
+    const T *rows[TILE];                                                                          \
+    for (int tile = t0; tile < t1; tile += TILE) {                                                \
+        const int n = t1 - tile < TILE ? t1 - tile : TILE;                                        \
+        for (int i = 0; i < n; i++) {                                                             \
+            const int pos = start + tile + i;                                                     \
+            rows[i] = cache + (int64_t)blocks[pos / block_size] * page_stride                     \
+                      + (int64_t)(pos % block_size) * row;                                        \
+        }                                                                                         \
+        for (int kh = 0; kh < num_kv_heads; kh++)                                                 \
+            fn(qs + (int64_t)kh * g * d, os + (int64_t)kh * g * d, rows, n, (int64_t)kh * d,     \
+               v_offset + (int64_t)kh * d, m + kh * g, l + kh * g);                               \
+    }                                                                                             \
+    memcpy(o, os, sizeof(float) * (size_t)heads * d);                                             \
+}
+
+DEFINE_ITEM_AVX(item_avx_f32, float, tile_f32_fn)
+DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, tile_bf16_fn)
 #endif
-    for (int i = 0; i < d; i++) y[i] += p * x[i];
+
+#ifdef __AVX512F__
+static int whole_request_items(int group, int num_kv_heads, int d) {
+    return d % 16 == 0 && group * num_kv_heads * d <= AVX_MAX_HEADS * 16 * AVX_MAX_DV
+           && tile_fn_float(group, d / 16) != 0;
 }
-
-
-/* Scores of up to 4 query heads against one key (the heads sharing a KV head): the key is
- * loaded once per 8 lanes and feeds every head's accumulator. */
-static inline void dot_group(const float *restrict q, int64_t q_stride, int g, const float *restrict k,
-                             int d, float scale, float *restrict out, int64_t out_stride) {
-#ifdef __AVX2__
-    if ((d & 7) == 0 && g <= 4) {
-        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-        for (int i = 0; i < d; i += 8) {
-            __m256 kv = _mm256_loadu_ps(k + i);
-            for (int h = 0; h < g; h++)
-                acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + h * q_stride + i), kv, acc[h]);
-        }
-        for (int h = 0; h < g; h++) {
-            __m128 lo = _mm_add_ps(_mm256_castps256_ps128(acc[h]), _mm256_extractf128_ps(acc[h], 1));
-            lo = _mm_hadd_ps(lo, lo);
-            lo = _mm_hadd_ps(lo, lo);
-            out[h * out_stride] = _mm_cvtss_f32(lo) * scale;
-        }
-        return;
-    }
+#else
+static int whole_request_items(int group, int num_kv_heads, int d) { (void)group; (void)num_kv_heads; (void)d; return 0; }
+#define item_avx_f32 item_f32
+#define item_avx_bf16 item_bf16
 #endif
-    for (int h = 0; h < g; h++) out[h * out_stride] = dot(q + h * q_stride, k, d) * scale;
+
+/* How many splits a request of n visible tokens gets: enough items for every thread, but splits
+ * of at least MIN_SPLIT tokens (merging costs a little per split). */
+#define MIN_SPLIT 256
+static int num_splits(int n, int base_items, int threads) {
+    int want = (4 * threads + base_items - 1) / base_items;
+    int most = (n + MIN_SPLIT - 1) / MIN_SPLIT;
+    if (want > most) want = most;
+    return want < 1 ? 1 : want;
 }
 
-/* o_h += p_h * v for up to 4 heads sharing one value row, loading v once per 8 lanes. */
-static inline void axpy_group(float *restrict o, int64_t o_stride, int g, const float *restrict p,
-                              int64_t p_stride, const float *restrict v, int d) {
-#ifdef __AVX2__
-    if ((d & 7) == 0 && g <= 4) {
-        __m256 ps[4];
-        for (int h = 0; h < g; h++) ps[h] = _mm256_set1_ps(p[h * p_stride]);
-        for (int i = 0; i < d; i += 8) {
-            __m256 vv = _mm256_loadu_ps(v + i);
-            for (int h = 0; h < g; h++) {
-                float *oh = o + h * o_stride + i;
-                _mm256_storeu_ps(oh, _mm256_fmadd_ps(ps[h], vv, _mm256_loadu_ps(oh)));
-            }
-        }
-        return;
-    }
-#endif
-    for (int h = 0; h < g; h++) axpy(o + h * o_stride, p[h * p_stride], v, d);
+#define DEFINE_DECODE(NAME, T, ITEM, WHOLE)                                                       \
+void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,                   \
+          const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,     \
+          int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out) { \
+    const int group = num_heads / num_kv_heads;                                                   \
+    const int d = head_size;                                                                      \
+    const int64_t row = (int64_t)num_kv_heads * head_size;                                        \
+    const int64_t v_offset = (int64_t)block_size * row;                                           \
+    const int threads = omp_get_max_threads();                                                    \
+    /* Items: (request, split) with every KV head when the vector item applies, else (request, KV \
+     * head, head chunk of <= MAX_GROUP, split); splits of one request are consecutive so their  \
+     * partials can be merged afterwards. */                                                      \
+    const int whole = whole_request_items(group, num_kv_heads, d);                                \
+    const int per_split = whole ? 1 : num_kv_heads * ((group + MAX_GROUP - 1) / MAX_GROUP);       \
+    const int chunks = (group + MAX_GROUP - 1) / MAX_GROUP;                                       \
+    const int base = num_reqs * per_split;                                                        \
+    int *first = (int *)malloc(sizeof(int) * (size_t)(num_reqs + 1));                             \
+    first[0] = 0;                                                                                 \
+    for (int r = 0; r < num_reqs; r++) {                                                          \
+        const int len = seq_lens[r];                                                              \
+        const int n = (window > 0 && len > window) ? window : len;                                \
+        first[r + 1] = first[r] + num_splits(n, base, threads);                                   \
+    }                                                                                             \
+    const int total_splits = first[num_reqs];                                                     \
+    const int64_t items = (int64_t)total_splits * per_split;                                      \
+    /* Partial results per (split, query head): max, sum, unnormalized output. */                \
+    float *pm = (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads);                \
+    float *pl = (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads);                \
+    float *po = (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads * d);            \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                              \
+    for (int64_t it = 0; it < items; it++) {                                                      \
+        const int split_index = (int)(it / per_split);                                            \
+        const int rest = (int)(it % per_split);                                                   \
+        const int kh = rest / chunks, c = rest % chunks;                                          \
+        int r = 0; /* the request owning this split */                                           \
+        { int lo = 0, hi = num_reqs - 1;                                                          \
+          while (lo < hi) { int mid = (lo + hi + 1) / 2;                                          \
+                            if (first[mid] <= split_index) lo = mid; else hi = mid - 1; }         \
+          r = lo; }                                                                               \
+        const int nsplit = first[r + 1] - first[r], k = split_index - first[r];                  \
+        const int len = seq_lens[r];                                                              \
+        const int start = (window > 0 && len > window) ? len - window : 0;                        \
+        const int n = len - start;                                                                \
+        const int t0 = (int)((int64_t)n * k / nsplit), t1 = (int)((int64_t)n * (k + 1) / nsplit); \
+        const int32_t *blocks = block_table + (int64_t)r * max_blocks;                            \
+        if (whole) {                                                                              \
+            const int64_t slot = (int64_t)split_index * num_heads;                                \
+            WHOLE(q + (int64_t)r * num_heads * d, cache, page_stride, block_size, blocks, start,  \
+                  t0, t1, num_kv_heads, group, d, row, v_offset, scale, po + slot * d, pm + slot, \
+                  pl + slot);                                                                     \
+            continue;                                                                             \
+        }                                                                                         \
+        const int h0 = kh * group + c * MAX_GROUP;                                                \
+        const int g = group - c * MAX_GROUP < MAX_GROUP ? group - c * MAX_GROUP : MAX_GROUP;      \
+        const int64_t slot = (int64_t)split_index * num_heads + h0;                               \
+        ITEM(q + ((int64_t)r * num_heads + h0) * d, cache, page_stride, block_size, blocks,       \
+             start, t0, t1, kh, g, d, row, v_offset, scale, po + slot * d, pm + slot, pl + slot); \
+    }                                                                                             \
+    /* Merge each request's splits: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s. */      \
+    _Pragma("omp parallel for schedule(static)")                                                  \
+    for (int r = 0; r < num_reqs; r++) {                                                          \
+        for (int h = 0; h < num_heads; h++) {                                                     \
+            float M = -INFINITY;                                                                  \
+            for (int sp = first[r]; sp < first[r + 1]; sp++)                                      \
+                if (pm[(int64_t)sp * num_heads + h] > M) M = pm[(int64_t)sp * num_heads + h];     \
+            float *restrict oh = out + ((int64_t)r * num_heads + h) * d;                          \
+            memset(oh, 0, sizeof(float) * (size_t)d);                                             \
+            float L = 0.f;                                                                        \
+            for (int sp = first[r]; sp < first[r + 1]; sp++) {                                    \
+                const int64_t slot = (int64_t)sp * num_heads + h;                                 \
+                float w = pm[slot] - M;                                                           \
+                exp_tile(&w, 1);                                                                  \
+                L += w * pl[slot];                                                                \
+                const float *restrict os = po + slot * d;                                         \
+                for (int j = 0; j < d; j++) oh[j] += w * os[j];                                   \
+            }                                                                                     \
+            const float inv = L > 0.f ? 1.f / L : 0.f;                                            \
+            for (int j = 0; j < d; j++) oh[j] *= inv;                                             \
+        }                                                                                         \
+    }                                                                                             \
+    free(first); free(pm); free(pl); free(po);                                                    \
 }
 
-#define DEFINE_DECODE(NAME, T, ROW)                                                             \
-void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,                 \
-          const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,   \
-          int num_heads, int num_kv_heads, int head_size, float scale, int window,             \
-          float *out) {                                                                         \
-    const int group = num_heads / num_kv_heads;                                                 \
-    const int64_t row = (int64_t)num_kv_heads * head_size;                                      \
-    const int64_t v_offset = (int64_t)block_size * row;                                         \
-    int max_len = 1;                                                                            \
-    for (int r = 0; r < num_reqs; r++) if (seq_lens[r] > max_len) max_len = seq_lens[r];       \
-    _Pragma("omp parallel")                                                                     \
-    {                                                                                           \
-        float *scores = (float *)malloc(sizeof(float) * (size_t)num_heads * max_len);          \
-        float *buf = (float *)malloc(sizeof(float) * (size_t)head_size);                       \
-        _Pragma("omp for schedule(dynamic, 1)")                                                 \
-        for (int r = 0; r < num_reqs; r++) {                                                    \
-            const int len = seq_lens[r];                                                        \
-            const int start = (window > 0 && len > window) ? len - window : 0;                  \
-            const int n = len - start;                                                          \
-            const int32_t *blocks = block_table + (int64_t)r * max_blocks;                      \
-            const float *qr = q + (int64_t)r * num_heads * head_size;                           \
-            for (int i = 0; i < n; i++) {                                                       \
-                const int pos = start + i;                                                      \
-                const T *k = cache + (int64_t)blocks[pos / block_size] * page_stride            \
-                             + (int64_t)(pos % block_size) * row;                               \
-                for (int kh = 0; kh < num_kv_heads; kh++) {                                     \
-                    const float *kv = ROW(k + (int64_t)kh * head_size, buf, head_size);         \
-                    for (int g0 = 0; g0 < group; g0 += 4) {                                     \
-                        const int h = kh * group + g0;                                          \
-                        const int gn = group - g0 < 4 ? group - g0 : 4;                         \
-                        dot_group(qr + (int64_t)h * head_size, head_size, gn, kv, head_size,    \
-                                  scale, scores + (int64_t)h * n + i, n);                       \
-                    }                                                                           \
-                }                                                                               \
-            }                                                                                   \
-            for (int h = 0; h < num_heads; h++) {                                               \
-                float *sh = scores + (int64_t)h * n;                                            \
-                float m = -INFINITY;                                                            \
-                for (int i = 0; i < n; i++) if (sh[i] > m) m = sh[i];                           \
-                float sum = 0.f;                                                                \
-                for (int i = 0; i < n; i++) { sh[i] = expf(sh[i] - m); sum += sh[i]; }           \
-                const float inv = 1.f / sum;                                                    \
-                for (int i = 0; i < n; i++) sh[i] *= inv;                                       \
-            }                                                                                   \
-            float *o = out + (int64_t)r * num_heads * head_size;                                \
-            memset(o, 0, sizeof(float) * (size_t)num_heads * head_size);                       \
-            for (int i = 0; i < n; i++) {                                                       \
-                const int pos = start + i;                                                      \
-                const T *v = cache + (int64_t)blocks[pos / block_size] * page_stride            \
-                             + v_offset + (int64_t)(pos % block_size) * row;                    \
-                for (int kh = 0; kh < num_kv_heads; kh++) {                                     \
-                    const float *vv = ROW(v + (int64_t)kh * head_size, buf, head_size);         \
-                    for (int g0 = 0; g0 < group; g0 += 4) {                                     \
-                        const int h = kh * group + g0;                                          \
-                        const int gn = group - g0 < 4 ? group - g0 : 4;                         \
-                        axpy_group(o + (int64_t)h * head_size, head_size, gn,                   \
-                                   scores + (int64_t)h * n + i, n, vv, head_size);              \
-                    }                                                                           \
-                }                                                                               \
-            }                                                                                   \
-        }                                                                                       \
-        free(scores); free(buf);                                                                \
-    }                                                                                           \
-}
+DEFINE_DECODE(paged_decode_f32, float, item_f32, item_avx_f32)
+DEFINE_DECODE(paged_decode_bf16, uint16_t, item_bf16, item_avx_bf16)
 
-DEFINE_DECODE(paged_decode_f32, float, row_f32)
-DEFINE_DECODE(paged_decode_bf16, uint16_t, row_bf16)
+int paged_decode_max_head_size(void) { return MAX_HEAD; }
