@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenos.layers.linear import PackedWeight, packing_enabled
 from tokenos.platform import native_bf16_supported
 
 
@@ -27,8 +28,20 @@ class LMHead(nn.Module):
             self.weight = tied_to.weight
         else:
             self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.tied = tied_to is not None
+        self.packed: PackedWeight | None = None
+
+    def pack(self) -> None:
+        """Compute from a oneDNN-packed copy (see `tokenos.layers.linear`); a tied head keeps the
+        embedding's plain weight for the lookup, an untied one drops its own."""
+        if self.packed is None and packing_enabled():
+            self.packed = PackedWeight(self.weight.detach())
+            if not self.tied:
+                self.weight = None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(hidden).float()
         if hidden.dtype == torch.bfloat16 and not native_bf16_supported():
             return F.linear(hidden.float(), self.weight.float())  # see linear._upcast_linear
         return F.linear(hidden, self.weight).float()

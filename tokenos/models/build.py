@@ -20,4 +20,12 @@ def build_model(model_config: ModelConfig, load: bool = True) -> nn.Module:
         torch.set_default_dtype(previous)
     if load:
         load_weights(model, model_config)
+        pack_for_inference(model)
     return model.eval()
+
+
+def pack_for_inference(model: nn.Module) -> None:
+    """Reorder every packable layer's weights once for the CPU's fast kernels (see layers/linear.py)."""
+    for module in model.modules():
+        if hasattr(module, "pack"):
+            module.pack()
