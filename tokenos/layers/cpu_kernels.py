@@ -1,8 +1,9 @@
 """Small C kernels for the CPU hot paths, compiled on first use and loaded with ctypes.
 
-Only decode attention lives here: reading K/V in place from the paged cache beats
-gathering it into padded tensors for SDPA. The library is built once per source version
-with the system C compiler (`cc -O3 -march=native -fopenmp`) into
+Decode attention (csrc/paged_attention.c) reads K/V in place from the paged cache; the step ops
+(csrc/step_ops.c) fuse residual add + RMSNorm, SiLU-and-mul and rotary, each a handful of eager
+torch ops whose dispatch overhead dominates at decode sizes. One library is built per source
+version and CPU with the system C compiler (`cc -O3 -march=native -fopenmp`) into
 `$TOKENOS_CACHE_DIR` (default `~/.cache/tokenos/kernels`). Without a compiler (or with
 `TOKENOS_DISABLE_C_KERNELS=1`) `load()` returns None and callers use the torch path.
 """
@@ -23,11 +24,20 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SRC = Path(__file__).parent / "csrc" / "paged_attention.c"
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "step_ops.c"))
 MAX_HEAD_SIZE = 512  # MAX_HEAD in the C source
 _P = ctypes.c_void_p
 _I = ctypes.c_int
-_ARGTYPES = [_P, _P, ctypes.c_int64, _I, _P, _I, _P, _I, _I, _I, _I, ctypes.c_float, _I, _P]
+_I64 = ctypes.c_int64
+_F = ctypes.c_float
+_SIGNATURES = {
+    "paged_decode": [_P, _P, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P],
+    "rms_norm": [_P, _P, _P, _P, _P, _I64, _I, _F],
+    "silu_and_mul": [_P, _P, _I64, _I],
+    "rotary": [_P, _I64, _I, _P, _I64, _I, _I, _I, _P, _P, _I64],
+}
+# The dtypes the kernels are written for: tensors of other dtypes take the torch path.
+DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 def _cache_dir() -> Path:
@@ -49,14 +59,14 @@ CFLAGS = (
 )
 
 
-def _build(src: Path, out: Path) -> None:
+def _build(sources: tuple[Path, ...], out: Path) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler found")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_out = Path(tmp) / out.name
-        cmd = [compiler, *CFLAGS, str(src), "-o", str(tmp_out), "-lm"]
+        cmd = [compiler, *CFLAGS, *map(str, sources), "-o", str(tmp_out), "-lm"]
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
         os.replace(tmp_out, out)  # atomic: concurrent builders never load a half-written file
 
@@ -76,21 +86,91 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("TOKENOS_DISABLE_C_KERNELS") == "1":
         return None
     # -march=native: a library is valid for this CPU only, so the CPU's flags are part of its key.
-    source = _SRC.read_bytes() + " ".join(CFLAGS).encode() + _cpu_flags().encode()
+    source = b"".join(src.read_bytes() for src in _SOURCES)
+    source += " ".join(CFLAGS).encode() + _cpu_flags().encode()
     digest = hashlib.sha256(source).hexdigest()[:16]
-    lib_path = _cache_dir() / f"paged_attention_{digest}.so"
+    lib_path = _cache_dir() / f"tokenos_kernels_{digest}.so"
     try:
         if not lib_path.exists():
-            _build(_SRC, lib_path)
+            _build(_SOURCES, lib_path)
         lib = ctypes.CDLL(str(lib_path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        logger.warning("C attention kernel unavailable (%s); using the torch path", e)
+        logger.warning("C kernels unavailable (%s); using the torch paths", e)
         return None
-    for name in ("paged_decode_f32", "paged_decode_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes = _ARGTYPES
-        fn.restype = None
+    for name, argtypes in _SIGNATURES.items():
+        for suffix in DTYPES.values():
+            fn = getattr(lib, f"{name}_{suffix}")
+            fn.argtypes = argtypes
+            fn.restype = None
     return lib
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Whether the step-op kernels can take these tensors: CPU, one supported dtype, contiguous
+    last dimension, not tracked by autograd, and the library built. Called several times per layer,
+    so it is kept to attribute reads."""
+    dtype = tensors[0].dtype
+    if dtype not in DTYPES or load() is None:
+        return False
+    for t in tensors:
+        if not t.is_cpu or t.dtype != dtype or t.stride(-1) != 1:
+            return False
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+
+
+def _fn(name: str, dtype: torch.dtype):
+    return getattr(load(), f"{name}_{DTYPES[dtype]}")
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """norm(x + residual) and the new residual x + residual (None without one); see step_ops.c."""
+    x = x.contiguous()
+    hidden = x.shape[-1]
+    out = torch.empty_like(x)
+    new_residual = None
+    if residual is not None:
+        residual = residual.contiguous()
+        new_residual = torch.empty_like(x)
+    _fn("rms_norm", x.dtype)(
+        x.data_ptr(),
+        None if residual is None else residual.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        None if new_residual is None else new_residual.data_ptr(),
+        x.numel() // hidden,
+        hidden,
+        eps,
+    )
+    return out, new_residual
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] for x of width 2d; see step_ops.c."""
+    x = x.contiguous()
+    d = x.shape[-1] // 2
+    out = x.new_empty(*x.shape[:-1], d)
+    _fn("silu_and_mul", x.dtype)(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d)
+    return out
+
+
+def rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> None:
+    """Rotate q [T, H, D] and k [T, KVH, D] in place (NeoX halves of the first rotary_dim) by
+    this step's cos / sin (contiguous [T, ..., rotary_dim / 2], in q's dtype)."""
+    _fn("rotary", q.dtype)(
+        q.data_ptr(),
+        q.stride(0),
+        q.shape[1],
+        k.data_ptr(),
+        k.stride(0),
+        k.shape[1],
+        q.shape[2],
+        rotary_dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        q.shape[0],
+    )
 
 
 def paged_decode(

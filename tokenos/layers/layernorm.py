@@ -1,10 +1,15 @@
-"""RMSNorm, optionally fused with the residual add that precedes it (as in vLLM/nano-vllm)."""
+"""RMSNorm, optionally fused with the residual add that precedes it (as in vLLM/nano-vllm).
+
+The C kernel (csrc/step_ops.c) does the add and the norm in one pass, rounding where these torch
+ops round; the torch code below is the reference it is tested against and the fallback."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenos.layers import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -14,6 +19,8 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
+        # Subclasses that change the formula (offset weights, one rounding) keep their own `norm`.
+        self._fusable = type(self).norm is RMSNorm.norm
 
     def norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -26,6 +33,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self._fusable and cpu_kernels.usable(x, self.weight, *([] if residual is None else [residual])):
+            out, new_residual = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, new_residual)
         if residual is None:
             return self.norm(x)
         x = x + residual

@@ -4,7 +4,9 @@ cos/sin for every position up to max_position are computed once in float32 (the 
 products transformers computes per step), then gathered by ``positions`` once per step (``cos_sin``)
 and shared by every attention layer (``Rope``). ``rotary_dim < head_dim`` rotates only the first
 ``rotary_dim`` dims of each head (partial rotary: Bamba, Qwen3-Next, Falcon-H1); ``NoRotary`` is the
-identity for attention without positions (NemotronH, Granite "nope").
+identity for attention without positions (NemotronH, Granite "nope"). Where the C kernels are built,
+q and k (views into the qkv projection's output) are rotated in place in one pass (csrc/step_ops.c),
+rounding as ``_rotate`` does; ``_rotate`` is the reference and fallback.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from tokenos.layers import cpu_kernels
 
 
 def _inv_freq(head_dim: int, theta: float) -> torch.Tensor:
@@ -78,6 +82,9 @@ class RotaryEmbedding(nn.Module):
     def forward(self, rope: Rope, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = rope
         d = self.rotary_dim
+        if _rotate_in_place(q, k, cos, sin):
+            cpu_kernels.rotary_(q, k, cos, sin, d)
+            return q, k
         if d == q.shape[-1]:
             return _rotate(q, cos, sin), _rotate(k, cos, sin)
         q_rot, k_rot = _rotate(q[..., :d], cos, sin), _rotate(k[..., :d], cos, sin)
@@ -89,6 +96,13 @@ class NoRotary(nn.Module):
 
     def forward(self, rope: None, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
+
+
+def _rotate_in_place(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether the C kernel takes these: heads contiguous within a token, this step's cos / sin
+    contiguous in q's dtype."""
+    heads_packed = q.stride(1) == q.shape[2] and k.stride(1) == k.shape[2]
+    return heads_packed and cos.is_contiguous() and sin.is_contiguous() and cpu_kernels.usable(q, k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
