@@ -46,9 +46,11 @@ def _cache_dir() -> Path:
 
 # Not -ffast-math: linking with it sets flush-to-zero for the whole process when the library loads,
 # which would change every float computation after it. These allow the vectorized reductions alone.
+# TOKENOS_KERNEL_MARCH builds for an older ISA than this CPU's (x86-64-v3: AVX2 only), so that
+# one machine can test the code paths another CPU takes.
 CFLAGS = (
     "-O3",
-    "-march=native",
+    f"-march={os.environ.get('TOKENOS_KERNEL_MARCH', 'native')}",
     "-fno-math-errno",
     "-fno-trapping-math",
     "-fassociative-math",
