@@ -33,6 +33,12 @@ static inline float bf16_to_f32(uint16_t h) {
     return x.f;
 }
 
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (q is bf16-exact anyway) */
+    union { float f; uint32_t u; } x;
+    x.f = f;
+    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+}
+
 static inline void widen_f32(const float *restrict src, float *restrict dst, int d) {
     memcpy(dst, src, sizeof(float) * (size_t)d);
 }
@@ -177,7 +183,8 @@ static inline __m512 sum16(const __m512 *v) {
  * unroll. The online-softmax state m, l of the G heads is updated in place. */
 #define DEFINE_TILE(NAME, T, LOAD, G, DV)                                                          \
 static inline void NAME(const float *restrict qk, float *restrict ok, const T *const *rows, int n, \
-                        int64_t k_off, int64_t v_off, float *restrict m, float *restrict l) {      \
+                        int64_t k_off, int64_t v_off, float scale, float *restrict m,             \
+                        float *restrict l) {                                                      \
     /* The tile's K rows widened once into float32 (rows past n are zeros: their scores are      \
      * masked), then one pass per query head with its 16 per-token accumulators in registers.   */\
     float kbuf[TILE][16 * DV] __attribute__((aligned(64)));                                       \
@@ -193,8 +200,14 @@ static inline void NAME(const float *restrict qk, float *restrict ok, const T *c
             for (int j = 1; j < DV; j++)                                                          \
                 acc[i] = _mm512_fmadd_ps(qh[j], _mm512_load_ps(kbuf[i] + 16 * j), acc[i]);         \
         }                                                                                         \
-        scores[h] = sum16(acc);                                                                   \
+        scores[h] = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));                             \
     }                                                                                             \
+    TILE_SOFTMAX_AND_V(T, LOAD, G, DV)                                                            \
+}
+
+/* The second half of a tile, shared by both kinds: the online-softmax update of the G heads from
+ * their scores, then the V rows (widened to float32) accumulated with the probabilities. */
+#define TILE_SOFTMAX_AND_V(T, LOAD, G, DV)                                                        \
     const __mmask16 live = (__mmask16)((1u << n) - 1);                                            \
     float p[G][TILE] __attribute__((aligned(64)));                                                \
     for (int h = 0; h < G; h++) {                                                                 \
@@ -223,8 +236,39 @@ static inline void NAME(const float *restrict qk, float *restrict ok, const T *c
         }                                                                                         \
     }                                                                                             \
     for (int h = 0; h < G; h++)                                                                   \
-        for (int j = 0; j < DV; j++) _mm512_store_ps(ok + (h * DV + j) * 16, o[h][j]);            \
+        for (int j = 0; j < DV; j++) _mm512_store_ps(ok + (h * DV + j) * 16, o[h][j]);
+
+#ifdef __AVX512BF16__
+/* bf16 K on a CPU with AVX512-BF16: the scores straight from the bf16 rows by vdpbf16ps (pairs of
+ * bf16 products, exact in float32, accumulated in float32), with q in bf16 as the model made it:
+ * no widening of K. qk holds the G heads' q as bf16 (16 * DV each), unscaled. */
+#define DEFINE_TILE_DP(NAME, G, DV)                                                               \
+static inline void NAME(const float *restrict qk, float *restrict ok, const uint16_t *const *rows, \
+                        int n, int64_t k_off, int64_t v_off, float scale, float *restrict m,      \
+                        float *restrict l) {                                                      \
+    const uint16_t *qb = (const uint16_t *)qk;                                                    \
+    __m512 scores[G];                                                                             \
+    for (int h = 0; h < G; h++) {                                                                 \
+        __m512bh qh[(DV + 1) / 2];                                                                \
+        for (int j = 0; j < DV / 2; j++) qh[j] = (__m512bh)_mm512_loadu_si512(qb + h * 16 * DV + 32 * j); \
+        if (DV % 2) qh[DV / 2] = (__m512bh)_mm512_zextsi256_si512(                                \
+            _mm256_loadu_si256((const __m256i *)(qb + h * 16 * DV + 32 * (DV / 2))));             \
+        __m512 acc[TILE];                                                                         \
+        for (int i = 0; i < TILE; i++) {                                                          \
+            acc[i] = _mm512_setzero_ps();                                                         \
+            if (i >= n) continue;                                                                 \
+            const uint16_t *k = rows[i] + k_off;                                                  \
+            for (int j = 0; j < DV / 2; j++)                                                      \
+                acc[i] = _mm512_dpbf16_ps(acc[i], qh[j], (__m512bh)_mm512_loadu_si512(k + 32 * j)); \
+            if (DV % 2)                                                                           \
+                acc[i] = _mm512_dpbf16_ps(acc[i], qh[DV / 2], (__m512bh)_mm512_zextsi256_si512(   \
+                    _mm256_loadu_si256((const __m256i *)(k + 32 * (DV / 2)))));                   \
+        }                                                                                         \
+        scores[h] = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));                             \
+    }                                                                                             \
+    TILE_SOFTMAX_AND_V(uint16_t, load16_bf16, G, DV)                                              \
 }
+#endif
 
 #define DEFINE_TILES(T, LOAD)                                                                     \
     DEFINE_TILE(tile_##T##_1_4, T, LOAD, 1, 4) DEFINE_TILE(tile_##T##_2_4, T, LOAD, 2, 4)        \
@@ -237,13 +281,26 @@ static inline void NAME(const float *restrict qk, float *restrict ok, const T *c
     DEFINE_TILE(tile_##T##_1_1, T, LOAD, 1, 1) DEFINE_TILE(tile_##T##_2_1, T, LOAD, 2, 1)        \
     DEFINE_TILE(tile_##T##_3_1, T, LOAD, 3, 1) DEFINE_TILE(tile_##T##_4_1, T, LOAD, 4, 1)
 
-typedef void (*tile_f32_fn)(const float *, float *, const float *const *, int, int64_t, int64_t, float *, float *);
-typedef void (*tile_bf16_fn)(const float *, float *, const uint16_t *const *, int, int64_t, int64_t, float *, float *);
+typedef void (*tile_f32_fn)(const float *, float *, const float *const *, int, int64_t, int64_t, float,
+                            float *, float *);
+typedef void (*tile_bf16_fn)(const float *, float *, const uint16_t *const *, int, int64_t, int64_t, float,
+                             float *, float *);
 DEFINE_TILES(float, load16_f32)
 DEFINE_TILES(uint16_t, load16_bf16)
+#ifdef __AVX512BF16__
+DEFINE_TILE_DP(tile_bf16dp_1_4, 1, 4) DEFINE_TILE_DP(tile_bf16dp_2_4, 2, 4)
+DEFINE_TILE_DP(tile_bf16dp_3_4, 3, 4) DEFINE_TILE_DP(tile_bf16dp_4_4, 4, 4)
+DEFINE_TILE_DP(tile_bf16dp_1_8, 1, 8) DEFINE_TILE_DP(tile_bf16dp_2_8, 2, 8)
+DEFINE_TILE_DP(tile_bf16dp_3_8, 3, 8) DEFINE_TILE_DP(tile_bf16dp_4_8, 4, 8)
+DEFINE_TILE_DP(tile_bf16dp_1_16, 1, 16) DEFINE_TILE_DP(tile_bf16dp_2_16, 2, 16)
+DEFINE_TILE_DP(tile_bf16dp_1_2, 1, 2) DEFINE_TILE_DP(tile_bf16dp_2_2, 2, 2)
+DEFINE_TILE_DP(tile_bf16dp_3_2, 3, 2) DEFINE_TILE_DP(tile_bf16dp_4_2, 4, 2)
+DEFINE_TILE_DP(tile_bf16dp_1_1, 1, 1) DEFINE_TILE_DP(tile_bf16dp_2_1, 2, 1)
+DEFINE_TILE_DP(tile_bf16dp_3_1, 3, 1) DEFINE_TILE_DP(tile_bf16dp_4_1, 4, 1)
+#endif
 
 #define TILE_TABLE(T)                                                                             \
-static void *tile_fn_##T(int g, int dv) {                                                         \
+static __attribute__((unused)) void *tile_fn_##T(int g, int dv) {                                \
     switch (dv * 8 + g) {                                                                         \
     case 4 * 8 + 1: return (void *)tile_##T##_1_4;  case 4 * 8 + 2: return (void *)tile_##T##_2_4; \
     case 4 * 8 + 3: return (void *)tile_##T##_3_4;  case 4 * 8 + 4: return (void *)tile_##T##_4_4; \
@@ -259,19 +316,27 @@ static void *tile_fn_##T(int g, int dv) {                                       
 }
 TILE_TABLE(float)
 TILE_TABLE(uint16_t)
+#ifdef __AVX512BF16__
+TILE_TABLE(bf16dp)
+#endif
 
 /* The item for the vector path, over ALL KV heads of one request (a tile's K and V rows are then
  * read as contiguous runs of memory): per tile, each KV head's tile kernel. */
-#define DEFINE_ITEM_AVX(NAME, T, FNTYPE)                                                          \
+/* Q_BF16: the tiles take q as bf16 (the vdpbf16ps tiles), else as float32; either way unscaled. */
+#define DEFINE_ITEM_AVX(NAME, T, FNTYPE, TABLE, Q_BF16)                                           \
 static void NAME(const float *restrict q, const T *restrict cache, int64_t page_stride,          \
                  int block_size, const int32_t *restrict blocks, int start, int t0, int t1,       \
                  int num_kv_heads, int g, int d, int64_t row, int64_t v_offset, float scale,     \
                  float *restrict o, float *restrict m, float *restrict l) {                      \
     const int heads = num_kv_heads * g;                                                           \
-    const FNTYPE fn = (FNTYPE)tile_fn_##T(g, d / 16);                                             \
+    const FNTYPE fn = (FNTYPE)tile_fn_##TABLE(g, d / 16);                                         \
     float qs[AVX_MAX_HEADS * 16 * AVX_MAX_DV] __attribute__((aligned(64)));                       \
     float os[AVX_MAX_HEADS * 16 * AVX_MAX_DV] __attribute__((aligned(64)));                       \
-    for (int i = 0; i < heads * d; i++) { qs[i] = q[i] * scale; os[i] = 0.f; }                    \
+    uint16_t *qb = (uint16_t *)qs;                                                                \
+    for (int i = 0; i < heads * d; i++) {                                                         \
+        if (Q_BF16) qb[i] = f32_to_bf16(q[i]); else qs[i] = q[i];                                 \
+        os[i] = 0.f;                                                                              \
+    }                                                                                             \
     for (int h = 0; h < heads; h++) { m[h] = -INFINITY; l[h] = 0.f; }                             \
     const T *rows[TILE];                                                                          \
     for (int tile = t0; tile < t1; tile += TILE) {                                                \
@@ -281,15 +346,21 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
             rows[i] = cache + (int64_t)blocks[pos / block_size] * page_stride                     \
                       + (int64_t)(pos % block_size) * row;                                        \
         }                                                                                         \
-        for (int kh = 0; kh < num_kv_heads; kh++)                                                 \
-            fn(qs + (int64_t)kh * g * d, os + (int64_t)kh * g * d, rows, n, (int64_t)kh * d,     \
-               v_offset + (int64_t)kh * d, m + kh * g, l + kh * g);                               \
+        for (int kh = 0; kh < num_kv_heads; kh++) {                                               \
+            const float *qk = Q_BF16 ? (const float *)(qb + (int64_t)kh * g * d) : qs + (int64_t)kh * g * d; \
+            fn(qk, os + (int64_t)kh * g * d, rows, n, (int64_t)kh * d, v_offset + (int64_t)kh * d, \
+               scale, m + kh * g, l + kh * g);                                                    \
+        }                                                                                         \
     }                                                                                             \
     memcpy(o, os, sizeof(float) * (size_t)heads * d);                                             \
 }
 
-DEFINE_ITEM_AVX(item_avx_f32, float, tile_f32_fn)
-DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, tile_bf16_fn)
+DEFINE_ITEM_AVX(item_avx_f32, float, tile_f32_fn, float, 0)
+#ifdef __AVX512BF16__
+DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, tile_bf16_fn, bf16dp, 1)
+#else
+DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, tile_bf16_fn, uint16_t, 0)
+#endif
 #endif
 
 #ifdef __AVX512F__
