@@ -105,3 +105,30 @@ def test_bfloat16_close_to_float32(make_checkpoint):
         runner.step([(0, PROMPT[:30])])
         runner.step([(0, PROMPT[30:31])])
     assert_close_logits(run16.request_logits(0), run32.request_logits(0), rel=0.1)
+
+
+def test_bfloat16_prefill_kernel_as_close_to_float32_as_the_torch_path(make_checkpoint, monkeypatch):
+    """The C prefill kernel (bf16 pages read in place) over chunked prefill, a prefix hit and a mixed
+    step: its logits are no further from float32 than those of the torch bf16 path (SDPA)."""
+    from tokenos.layers import cpu_kernels
+    from tokenos.layers.attention import Attention
+
+    if not cpu_kernels.prefill_supported(4, 2, 16):
+        pytest.skip("the C prefill kernel needs AVX512-BF16")
+    folder, _ = make_checkpoint("llama")
+    ours32, _ = load_ours(folder)
+    ours16, _ = load_ours(folder, dtype="bfloat16")
+
+    def run(model, c_prefill: bool | None) -> torch.Tensor:
+        if c_prefill is not None:
+            monkeypatch.setattr(Attention, "_use_c_prefill", lambda self, q, kv_cache: c_prefill)
+        runner = PagedRunner(model, block_size=16)
+        runner.step([(0, PROMPT[:20])])
+        runner.step([(0, PROMPT[20:45]), (1, PROMPT[:33])])
+        runner.step([(0, PROMPT[3:4]), (1, PROMPT[33:45])])
+        return torch.cat([runner.request_logits(0), runner.request_logits(1)])
+
+    ref = run(ours32, None)
+    fast, slow = run(ours16, True), run(ours16, False)
+    assert_close_logits(fast, ref, rel=0.1)
+    assert (fast - ref).abs().mean() <= 1.25 * (slow - ref).abs().mean() + 1e-3

@@ -122,10 +122,25 @@ class Attention(CacheLayer):
             out[group.tokens] = self._decode(
                 q[group.tokens], flat, rows, meta.decode_mask(i, self.sliding_window)
             )
+        if meta.prefills and self._use_c_prefill(q, kv_cache):
+            chunks, table = meta.prefill_batch()
+            cpu_kernels.paged_prefill(q, kv_cache, table, chunks, self.scale, self.sliding_window, out)
+            return out.view(q.shape[0], -1)
         for i, chunk in enumerate(meta.prefills):
             rows = None if chunk.slots is None else meta.prefill_rows(i, rows_per_block)
             out[chunk.start : chunk.end] = self._prefill(i, chunk, q, k, v, flat, rows, meta)
         return out.view(q.shape[0], -1)
+
+    def _use_c_prefill(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """The C prefill kernel: bf16 on a CPU with AVX512-BF16, whole-row pages, heads contiguous."""
+        return (
+            q.dtype == torch.bfloat16
+            and kv_cache.dtype == torch.bfloat16
+            and q.stride(2) == 1
+            and q.stride(1) == self.head_size
+            and _use_c_kernel(kv_cache)
+            and cpu_kernels.prefill_supported(self.num_heads, self.num_kv_heads, self.head_size)
+        )
 
     def _decode(
         self, q: torch.Tensor, flat: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor

@@ -83,6 +83,18 @@ class AttentionMetadata:
                 )
         return self._cache["decode_batch"]
 
+    def prefill_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All prefill chunks for the C kernel: int32 [n, 3] rows of (first token, query length,
+        cached tokens before it), and their block-table rows int32 [n, max_blocks]."""
+        if "prefill_batch" not in self._cache:
+            rows = [(c.start, c.end - c.start, c.num_computed) for c in self.prefills]
+            index = torch.tensor([c.req_index for c in self.prefills])
+            self._cache["prefill_batch"] = (
+                torch.tensor(rows, dtype=torch.int32),
+                self.block_table.index_select(0, index).to(torch.int32).contiguous(),
+            )
+        return self._cache["prefill_batch"]
+
     def _rows(self, slots: torch.Tensor, rows_per_block: int) -> torch.Tensor:
         """Flat-cache rows of K for ``slots`` followed by those of V, as one index."""
         k_rows = (slots // self.block_size) * rows_per_block + slots % self.block_size

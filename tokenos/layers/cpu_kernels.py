@@ -1,6 +1,7 @@
 """Small C kernels for the CPU hot paths, compiled on first use and loaded with ctypes.
 
-Decode attention (csrc/paged_attention.c) reads K/V in place from the paged cache; the step ops
+Decode attention (csrc/paged_attention.c) and, on CPUs with AVX512-BF16, prefill attention
+(csrc/prefill_attention.c) read K/V in place from the paged cache; the step ops
 (csrc/step_ops.c) fuse residual add + RMSNorm, SiLU-and-mul and rotary, each a handful of eager
 torch ops whose dispatch overhead dominates at decode sizes. One library is built per source
 version and CPU with the system C compiler (`cc -O3 -march=native -fopenmp`) into
@@ -24,7 +25,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "step_ops.c"))
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = tuple(_CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "step_ops.c"))
+_HEADERS = (_CSRC / "vec_math.h",)
 MAX_HEAD_SIZE = 512  # MAX_HEAD in the C source
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -36,6 +39,7 @@ _SIGNATURES = {
     "silu_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P, _I64, _I, _P, _I64, _I, _I, _I, _P, _P, _I64],
 }
+_PREFILL_SIGNATURE = [_P, _I64, _P, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I64]
 # The dtypes the kernels are written for: tensors of other dtypes take the torch path.
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -88,7 +92,7 @@ def load() -> ctypes.CDLL | None:
     if os.environ.get("TOKENOS_DISABLE_C_KERNELS") == "1":
         return None
     # -march=native: a library is valid for this CPU only, so the CPU's flags are part of its key.
-    source = b"".join(src.read_bytes() for src in _SOURCES)
+    source = b"".join(src.read_bytes() for src in (*_SOURCES, *_HEADERS))
     source += " ".join(CFLAGS).encode() + _cpu_flags().encode()
     digest = hashlib.sha256(source).hexdigest()[:16]
     lib_path = _cache_dir() / f"tokenos_kernels_{digest}.so"
@@ -104,6 +108,10 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes = argtypes
             fn.restype = None
+    lib.paged_prefill_bf16.argtypes = _PREFILL_SIGNATURE
+    lib.paged_prefill_bf16.restype = None
+    lib.paged_prefill_supports.argtypes = [_I, _I, _I]
+    lib.paged_prefill_available.argtypes = []
     return lib
 
 
@@ -208,3 +216,49 @@ def paged_decode(
         out.data_ptr(),
     )
     return out
+
+
+def prefill_supported(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
+    """Whether the C prefill kernel is built for this CPU (AVX512-BF16) and takes these head shapes."""
+    lib = load()
+    return (
+        lib is not None
+        and bool(lib.paged_prefill_available())
+        and bool(lib.paged_prefill_supports(num_heads, num_kv_heads, head_size))
+    )
+
+
+def paged_prefill(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    chunks: torch.Tensor,
+    scale: float,
+    window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Every prefill chunk of a step at once, bf16, reading the pages in place; see
+    prefill_attention.c. q and out [T, H, D] (heads contiguous, any token stride); chunks int32
+    [n, 3] = (first token, query length, cached tokens before it); block_table int32 [n, max_blocks]."""
+    lib = load()
+    assert lib is not None
+    _, num_heads, head_size = q.shape
+    _, _, block_size, num_kv_heads, _ = kv_cache.shape
+    lib.paged_prefill_bf16(
+        q.data_ptr(),
+        q.stride(0),
+        kv_cache.data_ptr(),
+        kv_cache.stride(0),
+        block_size,
+        block_table.data_ptr(),
+        block_table.shape[1],
+        chunks.data_ptr(),
+        chunks.shape[0],
+        num_heads,
+        num_kv_heads,
+        head_size,
+        scale,
+        window or 0,
+        out.data_ptr(),
+        out.stride(0),
+    )

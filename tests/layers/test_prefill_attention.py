@@ -1,0 +1,97 @@
+"""The C prefill kernel (csrc/prefill_attention.c) against the torch path (SDPA over gathered pages)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenos.layers import cpu_kernels
+from tokenos.layers.attention import Attention
+from tokenos.layers.attention_metadata import build_attention_metadata
+
+
+def _step(rng: random.Random, chunks: list[tuple[int, int]], block_size: int):
+    """Block tables (pages in a shuffled order) for requests of (cached tokens, new tokens)."""
+    pages = list(range(1, 1 + sum(-(-(c + n) // block_size) for c, n in chunks)))
+    rng.shuffle(pages)
+    tables = []
+    for c, n in chunks:
+        count = -(-(c + n) // block_size)
+        tables.append(pages[:count])
+        pages = pages[count:]
+    return tables, 1 + sum(len(t) for t in tables)
+
+
+def _run(attn, q, k, v, cache, tables, chunks, block_size, c_prefill, monkeypatch):
+    monkeypatch.setattr(Attention, "_use_c_prefill", lambda self, q, kv_cache: c_prefill)
+    meta = build_attention_metadata(tables, [c for c, _ in chunks], [n for _, n in chunks], block_size)
+    return attn.attend(q, k, v, cache, meta).float()
+
+
+def _qkv(tokens: int, heads: int, kv_heads: int, d: int):
+    """q, k, v as views of one fused projection output (q has a token stride wider than its row)."""
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d).to(torch.bfloat16)
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    return q.view(tokens, heads, d), k.view(tokens, kv_heads, d), v.view(tokens, kv_heads, d)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_size"),
+    [
+        (9, 3, 64),
+        (4, 2, 32),
+        (8, 1, 128),
+        (4, 4, 64),
+        (16, 1, 64),
+        (2, 1, 256),
+        (6, 2, 96),
+        (3, 1, 16),
+        (4, 2, 80),
+    ],
+)
+@pytest.mark.parametrize("window", [None, 37, 100])
+def test_prefill_kernel_matches_torch_path(heads, kv_heads, head_size, window, monkeypatch):
+    """Chunks of every kind in one step (fresh, after a prefix, shorter and longer than a tile, prefixes
+    off the tile grid) beside decodes, against float32 SDPA over the same bf16 values."""
+    if not cpu_kernels.prefill_supported(heads, kv_heads, head_size):
+        pytest.skip("the C prefill kernel needs AVX512-BF16 and a supported head shape")
+    rng = random.Random(head_size * 7 + heads + (window or 0))
+    torch.manual_seed(rng.randrange(1 << 30))
+    block_size = 16
+    chunks = [(0, 2), (0, 17), (5, 1), (16, 16), (33, 50), (0, 300), (500, 40), (7, 1), (90, 129)]
+    tables, num_pages = _step(rng, chunks, block_size)
+    cache = torch.randn(num_pages, 2, block_size, kv_heads, head_size).to(torch.bfloat16)
+    tokens = sum(n for _, n in chunks)
+    q, k, v = _qkv(tokens, heads, kv_heads, head_size)
+    attn = Attention(heads, kv_heads, head_size, head_size**-0.5, sliding_window=window)
+    fast = _run(attn, q, k, v, cache.clone(), tables, chunks, block_size, True, monkeypatch)
+    # Reference: the torch path in float32 over the same bf16 values.
+    ref = _run(
+        attn, q.float(), k.float(), v.float(), cache.float(), tables, chunks, block_size, False, monkeypatch
+    )
+    torch.testing.assert_close(fast, ref, atol=1.5e-2, rtol=2e-2)
+    # And no further from the reference than the bf16 torch path (SDPA in bf16) is.
+    slow = _run(attn, q, k, v, cache.clone(), tables, chunks, block_size, False, monkeypatch)
+    assert (fast - ref).abs().mean() <= 1.5 * (slow - ref).abs().mean() + 1e-4
+
+
+def test_prefill_kernel_writes_only_prefill_rows_and_reads_pages_in_place(monkeypatch):
+    """The pages hold the only copy of a chunk's prefix: poisoning a page the chunk never maps must not
+    change its output, and decode rows of the step are left to the decode path."""
+    if not cpu_kernels.prefill_supported(9, 3, 64):
+        pytest.skip("the C prefill kernel needs AVX512-BF16")
+    torch.manual_seed(0)
+    block_size = 16
+    chunks = [(40, 24), (3, 1)]
+    tables = [[5, 2, 7, 9], [4]]
+    cache = torch.randn(12, 2, block_size, 3, 64).to(torch.bfloat16)
+    q, k, v = _qkv(25, 9, 3, 64)
+    attn = Attention(9, 3, 64, 0.125)
+    first = _run(attn, q, k, v, cache.clone(), tables, chunks, block_size, True, monkeypatch)
+    poisoned = cache.clone()
+    poisoned[[1, 3, 6, 8, 10, 11]] = float("nan")
+    second = _run(attn, q, k, v, poisoned, tables, chunks, block_size, True, monkeypatch)
+    assert torch.equal(first, second)
+    assert torch.isfinite(first).all()

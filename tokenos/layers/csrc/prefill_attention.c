@@ -1,0 +1,309 @@
+/* Paged prefill attention for CPUs with AVX512-BF16: every prefill chunk of a step in one call,
+ * keys and values read in place from the paged KV cache (no gather), causal, with a cached prefix
+ * (the chunk's queries sit after num_computed cached tokens) and an optional sliding window.
+ *
+ * Cache layout per layer (see tokenos/layers/attention.py): page b starts at element
+ * b * page_stride; its K rows are [block_size, num_kv_heads, head_size], its V rows follow at
+ * + block_size * num_kv_heads * head_size. The chunk's own K/V are already written there.
+ *
+ * Two phases, each one parallel loop:
+ *  1. Pack: for each (chunk, KV head), its visible keys and values are copied once from the pages
+ *     into the pair-interleaved layouts vdpbf16ps wants (K: per pair of dimensions, 32 keys side by
+ *     side; V: per pair of keys, the head's dimensions side by side). Every query tile of the chunk
+ *     then reads them from there.
+ *  2. Attend: items are (chunk, KV head, tile of PF_QT query tokens); the query heads sharing the KV
+ *     head (GQA) are rows of the same item, so each packed K/V tile serves PF_QT * group rows. Per key
+ *     tile of PF_KT keys: scores S = q k^T by vdpbf16ps (bf16 products exact in float32, float32
+ *     sums), the causal / window mask, an online-softmax update in float32, then O += P V with P
+ *     rounded to bf16 (as torch's flash attention does for its second GEMM) and float32 accumulation.
+ *     Outputs are normalized and rounded to bf16 once, at the end.
+ *
+ * Built only where the compiler targets AVX512-BF16; paged_prefill_available() says whether it was,
+ * and the caller keeps torch's SDPA (its reference) otherwise. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#include "vec_math.h"
+
+#ifdef __AVX512BF16__
+
+#define PF_QT 16       /* query tokens per item */
+#define PF_KT 32       /* keys per tile: two vectors of 16 scores per row */
+#define PF_MAX_D 256   /* head sizes: multiples of 16 up to this (see pv_for) */
+#define PF_MAX_G 16    /* query heads per KV head */
+#define PF_RS 8        /* rows per register block of the score kernel */
+#define PF_MAX_ROWS (PF_QT * PF_MAX_G)
+
+int paged_prefill_available(void) { return 1; }
+
+/* Where a chunk's packed keys start: the first key its first query may see, rounded down to a tile. */
+static inline int key_base(int ctx, int window) {
+    if (window <= 0 || ctx - window + 1 <= 0) return 0;
+    return (ctx - window + 1) / PF_KT * PF_KT;
+}
+
+/* Copy keys [k0, k1) of KV head kh (k0 a multiple of PF_KT) into the packed layouts, the last tile
+ * padded with zeros: kp[tile][d / 2][PF_KT] pairs of dimensions, vp[tile][PF_KT / 2][d] pairs of
+ * keys (uint32 = two bf16, the lower one first). */
+static void pack_kv(const uint16_t *cache, int64_t page_stride, int block_size, const int32_t *blocks,
+                    int64_t row, int64_t v_offset, int kh, int d, int k0, int k1, int tile,
+                    uint32_t *restrict kp, uint32_t *restrict vp) {
+    uint32_t *kt = kp + (int64_t)tile * (d / 2) * PF_KT;
+    uint16_t *vt = (uint16_t *)(vp + (int64_t)tile * (PF_KT / 2) * d);
+    for (int i = 0; i < PF_KT; i++) {
+        const int pos = k0 + tile * PF_KT + i;
+        uint16_t *vi = vt + (int64_t)(i / 2) * d * 2 + (i & 1);
+        if (pos >= k1) {
+            for (int j = 0; j < d / 2; j++) kt[j * PF_KT + i] = 0;
+            for (int j = 0; j < d; j++) vi[2 * j] = 0;
+            continue;
+        }
+        const uint16_t *kr = cache + (int64_t)blocks[pos / block_size] * page_stride
+                             + (int64_t)(pos % block_size) * row + (int64_t)kh * d;
+        const uint16_t *vr = kr + v_offset;
+        for (int j = 0; j < d / 2; j++) {
+            uint32_t pair;
+            memcpy(&pair, kr + 2 * j, sizeof pair);
+            kt[j * PF_KT + i] = pair;
+        }
+        for (int j = 0; j < d; j++) vi[2 * j] = vr[j];
+    }
+}
+
+/* Scores of rows [0, rows) (a multiple of PF_RS) against one packed key tile: s[r][0..31] = scale * q_r . k. */
+static void tile_scores(const uint32_t *restrict qb, const uint32_t *restrict kt, int rows, int d,
+                        float scale, float *restrict s) {
+    const __m512 sc = _mm512_set1_ps(scale);
+    for (int r0 = 0; r0 < rows; r0 += PF_RS) {
+        __m512 lo[PF_RS], hi[PF_RS];
+        for (int r = 0; r < PF_RS; r++) lo[r] = hi[r] = _mm512_setzero_ps();
+        for (int j = 0; j < d / 2; j++) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(kt + j * PF_KT);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(kt + j * PF_KT + 16);
+            for (int r = 0; r < PF_RS; r++) {
+                const __m512bh qr = (__m512bh)_mm512_set1_epi32((int)qb[(int64_t)(r0 + r) * (d / 2) + j]);
+                lo[r] = _mm512_dpbf16_ps(lo[r], qr, k0);
+                hi[r] = _mm512_dpbf16_ps(hi[r], qr, k1);
+            }
+        }
+        for (int r = 0; r < PF_RS; r++) {
+            _mm512_storeu_ps(s + (int64_t)(r0 + r) * PF_KT, _mm512_mul_ps(lo[r], sc));
+            _mm512_storeu_ps(s + (int64_t)(r0 + r) * PF_KT + 16, _mm512_mul_ps(hi[r], sc));
+        }
+    }
+}
+
+/* Online softmax over one tile for each row: keys kpos0 + [0, PF_KT) visible to row r are those in
+ * [lo_r, hi_r] (lo_r/hi_r from its position and the window). Writes p as bf16 pairs and the factor
+ * alpha the row's outputs are rescaled by; rows seeing no key of the tile get p = 0, alpha = 1. */
+static void tile_softmax(const float *restrict s, const int *restrict row_pos, int rows, int kpos0,
+                         int window, float *restrict m, float *restrict l, float *restrict alpha,
+                         uint32_t *restrict p) {
+    const __m512 neg = _mm512_set1_ps(-INFINITY);
+    for (int r = 0; r < rows; r++) {
+        const int pos = row_pos[r];
+        int lo = window > 0 ? pos - window + 1 - kpos0 : -kpos0;
+        int hi = pos - kpos0;
+        if (lo < 0) lo = 0;
+        if (hi > PF_KT - 1) hi = PF_KT - 1;
+        if (pos < 0 || hi < lo) {
+            memset(p + (int64_t)r * (PF_KT / 2), 0, sizeof(uint32_t) * (PF_KT / 2));
+            alpha[r] = 1.f;
+            continue;
+        }
+        const uint32_t bits = (uint32_t)(((uint64_t)2 << hi) - ((uint64_t)1 << lo));
+        const __mmask16 k0 = (__mmask16)(bits & 0xffffu), k1 = (__mmask16)(bits >> 16);
+        const __m512 s0 = _mm512_mask_mov_ps(neg, k0, _mm512_loadu_ps(s + (int64_t)r * PF_KT));
+        const __m512 s1 = _mm512_mask_mov_ps(neg, k1, _mm512_loadu_ps(s + (int64_t)r * PF_KT + 16));
+        const float mt = fmaxf(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
+        const float a = m[r] == -INFINITY ? 0.f : expf(m[r] - mt);
+        const __m512 mv = _mm512_set1_ps(mt);
+        const __m512 e0 = _mm512_maskz_mov_ps(k0, exp16(_mm512_sub_ps(s0, mv)));
+        const __m512 e1 = _mm512_maskz_mov_ps(k1, exp16(_mm512_sub_ps(s1, mv)));
+        l[r] = l[r] * a + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+        m[r] = mt;
+        alpha[r] = a;
+        _mm512_storeu_si512(p + (int64_t)r * (PF_KT / 2), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+}
+
+/* o[r] = alpha[r] * o[r] + p[r] V for one packed value tile; DV = head size / 16 vectors per row,
+ * RO rows per register block (RO * DV accumulators). */
+#define DEFINE_TILE_PV(NAME, DV, RO)                                                              \
+static void NAME(const uint32_t *restrict p, const uint32_t *restrict vt, const float *restrict alpha, \
+                 int rows, float *restrict o) {                                                   \
+    for (int r0 = 0; r0 < rows; r0 += RO) {                                                       \
+        __m512 acc[RO][DV];                                                                       \
+        for (int r = 0; r < RO; r++) {                                                            \
+            const __m512 a = _mm512_set1_ps(alpha[r0 + r]);                                       \
+            for (int j = 0; j < DV; j++)                                                          \
+                acc[r][j] = _mm512_mul_ps(_mm512_loadu_ps(o + (int64_t)(r0 + r) * DV * 16 + 16 * j), a); \
+        }                                                                                         \
+        for (int kp = 0; kp < PF_KT / 2; kp++) {                                                  \
+            __m512bh pr[RO];                                                                      \
+            for (int r = 0; r < RO; r++)                                                          \
+                pr[r] = (__m512bh)_mm512_set1_epi32((int)p[(int64_t)(r0 + r) * (PF_KT / 2) + kp]); \
+            for (int j = 0; j < DV; j++) {                                                        \
+                const __m512bh v = (__m512bh)_mm512_loadu_si512(vt + (int64_t)kp * DV * 16 + 16 * j); \
+                for (int r = 0; r < RO; r++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], pr[r], v);   \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < RO; r++)                                                              \
+            for (int j = 0; j < DV; j++)                                                          \
+                _mm512_storeu_ps(o + (int64_t)(r0 + r) * DV * 16 + 16 * j, acc[r][j]);            \
+    }                                                                                             \
+}
+DEFINE_TILE_PV(tile_pv_1, 1, 8) DEFINE_TILE_PV(tile_pv_2, 2, 8) DEFINE_TILE_PV(tile_pv_3, 3, 4)
+DEFINE_TILE_PV(tile_pv_4, 4, 4) DEFINE_TILE_PV(tile_pv_5, 5, 2) DEFINE_TILE_PV(tile_pv_6, 6, 2)
+DEFINE_TILE_PV(tile_pv_7, 7, 2) DEFINE_TILE_PV(tile_pv_8, 8, 2) DEFINE_TILE_PV(tile_pv_12, 12, 1)
+DEFINE_TILE_PV(tile_pv_16, 16, 1)
+
+typedef void (*tile_pv_fn)(const uint32_t *, const uint32_t *, const float *, int, float *);
+
+static tile_pv_fn pv_for(int d) {
+    if (d % 16) return 0;
+    switch (d / 16) {
+    case 1: return tile_pv_1;   case 2: return tile_pv_2;   case 3: return tile_pv_3;
+    case 4: return tile_pv_4;   case 5: return tile_pv_5;   case 6: return tile_pv_6;
+    case 7: return tile_pv_7;   case 8: return tile_pv_8;   case 12: return tile_pv_12;
+    case 16: return tile_pv_16;
+    default: return 0;
+    }
+}
+
+int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size) {
+    const int g = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
+    return g >= 1 && g <= PF_MAX_G && g * num_kv_heads == num_heads && head_size <= PF_MAX_D
+           && pv_for(head_size) != 0;
+}
+
+/* Scratch of one thread for one item. */
+typedef struct {
+    uint32_t qb[PF_MAX_ROWS * PF_MAX_D / 2];
+    float s[PF_MAX_ROWS * PF_KT];
+    uint32_t p[PF_MAX_ROWS * PF_KT / 2];
+    float o[PF_MAX_ROWS * PF_MAX_D];
+    float m[PF_MAX_ROWS], l[PF_MAX_ROWS], alpha[PF_MAX_ROWS];
+    int pos[PF_MAX_ROWS];
+} pf_scratch;
+
+/* Item (chunk c, KV head kh, query tokens [t0, t1) of the chunk). */
+static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp, const uint32_t *vp,
+                        int kbase, int ctx, int start, int t0, int t1, int kh, int g, int d, float scale,
+                        int window, uint16_t *out, int64_t out_stride, pf_scratch *w) {
+    const int live = (t1 - t0) * g;
+    const int rows = (live + PF_RS - 1) / PF_RS * PF_RS;
+    for (int r = 0; r < rows; r++) {
+        uint32_t *qr = w->qb + (int64_t)r * (d / 2);
+        if (r < live) {
+            const int t = t0 + r / g, h = r % g;
+            memcpy(qr, q + (int64_t)(start + t) * q_stride + (int64_t)(kh * g + h) * d, sizeof(uint16_t) * d);
+            w->pos[r] = ctx + t;
+        } else {
+            memset(qr, 0, sizeof(uint16_t) * d);
+            w->pos[r] = -1;
+        }
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.f;
+    }
+    memset(w->o, 0, sizeof(float) * (size_t)rows * d);
+    const int first_pos = ctx + t0, last_pos = ctx + t1 - 1;
+    int lo_key = window > 0 ? first_pos - window + 1 : 0;
+    if (lo_key < kbase) lo_key = kbase;
+    const tile_pv_fn pv = pv_for(d);
+    for (int tile = (lo_key - kbase) / PF_KT; kbase + tile * PF_KT <= last_pos; tile++) {
+        const uint32_t *kt = kp + (int64_t)tile * (d / 2) * PF_KT;
+        const uint32_t *vt = vp + (int64_t)tile * (PF_KT / 2) * d;
+        tile_scores(w->qb, kt, rows, d, scale, w->s);
+        tile_softmax(w->s, w->pos, rows, kbase + tile * PF_KT, window, w->m, w->l, w->alpha, w->p);
+        pv(w->p, vt, w->alpha, rows, w->o);
+    }
+    for (int r = 0; r < live; r++) {
+        const int t = t0 + r / g, h = r % g;
+        const __m512 inv = _mm512_set1_ps(w->l[r] > 0.f ? 1.f / w->l[r] : 0.f);
+        uint16_t *dst = out + (int64_t)(start + t) * out_stride + (int64_t)(kh * g + h) * d;
+        for (int j = 0; j < d; j += 16)
+            _mm256_storeu_si256((__m256i *)(dst + j),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(w->o + (int64_t)r * d + j), inv)));
+    }
+}
+
+/* chunks: int32 [num_chunks][3] = (first token in q/out, query length, tokens cached before it);
+ * block_table: int32 [num_chunks][max_blocks]. q and out: [tokens, num_heads, head_size] bf16 with
+ * token strides q_stride / out_stride (elements), heads contiguous. */
+void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *cache, int64_t page_stride,
+                        int block_size, const int32_t *block_table, int max_blocks, const int32_t *chunks,
+                        int num_chunks, int num_heads, int num_kv_heads, int head_size, float scale,
+                        int window, uint16_t *out, int64_t out_stride) {
+    const int g = num_heads / num_kv_heads, d = head_size;
+    const int64_t row = (int64_t)num_kv_heads * d, v_offset = (int64_t)block_size * row;
+    /* Packed K/V per (chunk, KV head): tiles of [PF_KT * d] uint32 for K and for V. */
+    int64_t *tile0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));
+    int64_t *item0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));
+    tile0[0] = item0[0] = 0;
+    for (int c = 0; c < num_chunks; c++) {
+        const int qlen = chunks[3 * c + 1], ctx = chunks[3 * c + 2];
+        const int kbase = key_base(ctx, window);
+        tile0[c + 1] = tile0[c] + (ctx + qlen - kbase + PF_KT - 1) / PF_KT;
+        item0[c + 1] = item0[c] + (int64_t)num_kv_heads * ((qlen + PF_QT - 1) / PF_QT);
+    }
+    const int64_t tile_elems = (int64_t)PF_KT * d / 2; /* uint32 per packed tile of K (and of V) */
+    uint32_t *kp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(tile0[num_chunks] * num_kv_heads * tile_elems));
+    uint32_t *vp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(tile0[num_chunks] * num_kv_heads * tile_elems));
+    const int64_t pack_items = tile0[num_chunks] * num_kv_heads;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t it = 0; it < pack_items; it++) {
+        const int64_t gt = it / num_kv_heads; /* global tile index */
+        const int kh = (int)(it % num_kv_heads);
+        int c = 0;
+        while (tile0[c + 1] <= gt) c++;
+        const int qlen = chunks[3 * c + 1], ctx = chunks[3 * c + 2];
+        const int64_t base = (tile0[c] * num_kv_heads + (int64_t)kh * (tile0[c + 1] - tile0[c])) * tile_elems;
+        pack_kv(cache, page_stride, block_size, block_table + (int64_t)c * max_blocks, row, v_offset, kh, d,
+                key_base(ctx, window), ctx + qlen, (int)(gt - tile0[c]), kp + base, vp + base);
+    }
+    const int64_t items = item0[num_chunks];
+    _Pragma("omp parallel")
+    {
+        pf_scratch *w = (pf_scratch *)aligned_alloc(64, (sizeof(pf_scratch) + 63) / 64 * 64);
+        /* Later query tiles see more keys: hand them out first for a better balance. */
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int64_t rev = 0; rev < items; rev++) {
+            const int64_t it = items - 1 - rev;
+            int c = 0;
+            while (item0[c + 1] <= it) c++;
+            const int start = chunks[3 * c], qlen = chunks[3 * c + 1], ctx = chunks[3 * c + 2];
+            const int64_t local = it - item0[c];
+            const int kh = (int)(local % num_kv_heads), qt = (int)(local / num_kv_heads);
+            const int t0 = qt * PF_QT, t1 = t0 + PF_QT < qlen ? t0 + PF_QT : qlen;
+            const int64_t base = (tile0[c] * num_kv_heads + (int64_t)kh * (tile0[c + 1] - tile0[c])) * tile_elems;
+            attend_item(q, q_stride, kp + base, vp + base, key_base(ctx, window), ctx, start, t0, t1, kh, g, d,
+                        scale, window, out, out_stride, w);
+        }
+        free(w);
+    }
+    free(tile0); free(item0); free(kp); free(vp);
+}
+
+#else
+
+int paged_prefill_available(void) { return 0; }
+int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size) {
+    (void)num_heads; (void)num_kv_heads; (void)head_size;
+    return 0;
+}
+void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const uint16_t *cache, int64_t page_stride,
+                        int block_size, const int32_t *block_table, int max_blocks, const int32_t *chunks,
+                        int num_chunks, int num_heads, int num_kv_heads, int head_size, float scale,
+                        int window, uint16_t *out, int64_t out_stride) {
+    (void)q; (void)q_stride; (void)cache; (void)page_stride; (void)block_size; (void)block_table;
+    (void)max_blocks; (void)chunks; (void)num_chunks; (void)num_heads; (void)num_kv_heads;
+    (void)head_size; (void)scale; (void)window; (void)out; (void)out_stride;
+    abort(); /* the caller checks paged_prefill_available() first */
+}
+
+#endif
