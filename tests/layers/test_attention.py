@@ -166,4 +166,11 @@ def test_c_kernel_matches_torch_path_over_shapes(dtype, heads, kv_heads, head_si
         new_k, new_v = (t if c_kernel else t.float() for t in (k, v))
         return attn.attend(q.float(), new_k, new_v, pages, meta).float()
 
-    torch.testing.assert_close(run(True), run(False), atol=1e-5, rtol=1e-4)
+    fast, ref = run(True), run(False)
+    if dtype == torch.float32:
+        torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-4)
+        return
+    # bf16 pages: with AVX512-BF16 the kernel rounds the probabilities to bf16 for P V (as torch's
+    # bf16 attention does), a relative error of 2^-9 per weight; elsewhere it is float32 throughout.
+    torch.testing.assert_close(fast, ref, atol=8e-3, rtol=1e-2)
+    assert (fast - ref).abs().mean() < 1e-3

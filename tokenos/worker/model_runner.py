@@ -20,6 +20,7 @@ from tokenos.config import CacheConfig
 from tokenos.core.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaSpec, cdiv
 from tokenos.core.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenos.layers import cpu_kernels
+from tokenos.layers.attention import Attention
 from tokenos.layers.attention_metadata import AttentionMetadata, make_attention_metadata
 from tokenos.layers.metadata import ForwardBatch
 from tokenos.layers.recurrent_batch import RecurrentBatch
@@ -72,8 +73,17 @@ class ModelRunner:
             f"dtype {dtype_name(self.model_config.dtype)} on {cpu_summary()} "
             f"(native bf16: {'yes' if native_bf16_supported() else 'no'}), {self.num_threads} threads; "
             f"linears: {'oneDNN packed' if packed else 'F.linear'}; "
-            f"decode attention: {'C kernel' if c_kernel else 'torch'}; prefill attention: torch SDPA"
+            f"decode attention: {'C kernel' if c_kernel else 'torch'}; "
+            f"prefill attention: {self._prefill_kernel()}"
         )
+
+    def _prefill_kernel(self) -> str:
+        """The C prefill kernel where every attention layer takes it (bf16 on AVX512-BF16), else SDPA."""
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if self.model_config.dtype != torch.bfloat16 or not layers:
+            return "torch SDPA"
+        shapes = {(m.num_heads, m.num_kv_heads, m.head_size) for m in layers}
+        return "C kernel" if all(cpu_kernels.prefill_supported(*s) for s in shapes) else "torch SDPA"
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         return self.model.get_kv_cache_spec(self.cache_config)

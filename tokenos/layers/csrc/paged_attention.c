@@ -215,8 +215,56 @@ static inline void NAME(const float *restrict qk, float *restrict ok, const uint
         }                                                                                         \
         scores[h] = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));                             \
     }                                                                                             \
-    TILE_SOFTMAX_AND_V(uint16_t, load16_bf16, G, DV)                                              \
+    if (DV % 2) {                                                                                 \
+        TILE_SOFTMAX_AND_V(uint16_t, load16_bf16, G, DV)                                          \
+    } else {                                                                                      \
+        TILE_SOFTMAX_AND_V_DP(G, DV)                                                              \
+    }                                                                                             \
 }
+
+/* The second half for bf16 V on AVX512-BF16 (even DV): the probabilities rounded to bf16 (as torch's
+ * bf16 attention rounds them for its P V product) and V taken two tokens at a time by vdpbf16ps on
+ * the rows interleaved by unpacklo/hi_epi16, so no row is widened. That interleave leaves each
+ * accumulator's lanes in a fixed permuted order of dimensions (see unpermute_dp), undone once per
+ * item. Rows past n have probability 0 (their V is read but contributes nothing). */
+#define TILE_SOFTMAX_AND_V_DP(G, DV)                                                              \
+    const __mmask16 live = (__mmask16)((1u << n) - 1);                                            \
+    uint32_t pp[G][TILE / 2] __attribute__((aligned(64)));                                        \
+    for (int h = 0; h < G; h++) {                                                                 \
+        const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, scores[h]);          \
+        const float mt = fmaxf(m[h], _mm512_reduce_max_ps(s));                                    \
+        float alpha = m[h] - mt;                                                                  \
+        if (m[h] == -INFINITY) alpha = 0.f; else exp_tile(&alpha, 1);                             \
+        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mt))));  \
+        l[h] = l[h] * alpha + _mm512_reduce_add_ps(e);                                            \
+        m[h] = mt;                                                                                \
+        _mm256_store_si256((__m256i *)pp[h], (__m256i)_mm512_cvtneps_pbh(e));                     \
+        if (alpha != 1.f)                                                                         \
+            for (int j = 0; j < DV; j++)                                                          \
+                _mm512_store_ps(ok + (h * DV + j) * 16,                                           \
+                                _mm512_mul_ps(_mm512_load_ps(ok + (h * DV + j) * 16), _mm512_set1_ps(alpha))); \
+    }                                                                                             \
+    __m512 o[G][DV];                                                                              \
+    for (int h = 0; h < G; h++)                                                                   \
+        for (int j = 0; j < DV; j++) o[h][j] = _mm512_load_ps(ok + (h * DV + j) * 16);            \
+    for (int i = 0; i < n; i += 2) {                                                              \
+        const uint16_t *va = rows[i] + v_off;                                                     \
+        const uint16_t *vb = (i + 1 < n ? rows[i + 1] : rows[i]) + v_off;                         \
+        __m512bh pi[G];                                                                           \
+        for (int h = 0; h < G; h++) pi[h] = (__m512bh)_mm512_set1_epi32((int)pp[h][i / 2]);      \
+        for (int c = 0; c < DV / 2; c++) {                                                        \
+            const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb + 32 * c); \
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b);                            \
+            const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);                            \
+            for (int h = 0; h < G; h++) {                                                         \
+                o[h][2 * c] = _mm512_dpbf16_ps(o[h][2 * c], pi[h], lo);                           \
+                o[h][2 * c + 1] = _mm512_dpbf16_ps(o[h][2 * c + 1], pi[h], hi);                   \
+            }                                                                                     \
+        }                                                                                         \
+    }                                                                                             \
+    for (int h = 0; h < G; h++)                                                                   \
+        for (int j = 0; j < DV; j++) _mm512_store_ps(ok + (h * DV + j) * 16, o[h][j]);
+
 #endif
 
 #define DEFINE_TILES(T, LOAD)                                                                     \
@@ -269,10 +317,40 @@ TILE_TABLE(uint16_t)
 TILE_TABLE(bf16dp)
 #endif
 
+/* Back to dimension order: vectors 2c and 2c + 1 of a head came from unpacklo / unpackhi of its
+ * dimensions [32c, 32c + 32): lane k of the first holds dimension 32c + 8 (k / 4) + k % 4, of the
+ * second that + 4. */
+static void unpermute_dp(float *o, int heads, int d) {
+    float tmp[MAX_HEAD];
+    for (int h = 0; h < heads; h++) {
+        float *oh = o + (int64_t)h * d;
+        for (int c = 0; c < d / 32; c++)
+            for (int k = 0; k < 16; k++) {
+                tmp[32 * c + 8 * (k / 4) + k % 4] = oh[32 * c + k];
+                tmp[32 * c + 8 * (k / 4) + 4 + k % 4] = oh[32 * c + 16 + k];
+            }
+        memcpy(oh, tmp, sizeof(float) * (size_t)(d / 32 * 32));
+    }
+}
+/* Ask for the next tile's K and V rows (positions [p0, min(p0 + TILE, p1))) while this one is
+ * computed: pages are scattered, so the hardware prefetcher loses the stream at every page edge. */
+static inline void prefetch_rows(const char *cache, int64_t page_bytes, int block_size, const int32_t *blocks,
+                                 int p0, int p1, int64_t row_bytes, int64_t v_bytes) {
+    const int end = p0 + TILE < p1 ? p0 + TILE : p1;
+    for (int pos = p0; pos < end; pos++) {
+        const char *k = cache + (int64_t)blocks[pos / block_size] * page_bytes + (int64_t)(pos % block_size) * row_bytes;
+        for (int64_t off = 0; off < row_bytes; off += 64) {
+            _mm_prefetch(k + off, _MM_HINT_T1);
+            _mm_prefetch(k + v_bytes + off, _MM_HINT_T1);
+        }
+    }
+}
+
 /* The item for the vector path, over ALL KV heads of one request (a tile's K and V rows are then
  * read as contiguous runs of memory): per tile, each KV head's tile kernel. */
 /* Q_BF16: the tiles take q as bf16 (the vdpbf16ps tiles), else as float32; either way unscaled. */
-#define DEFINE_ITEM_AVX(NAME, T, FNTYPE, TABLE, Q_BF16)                                           \
+/* V_DP: the tiles leave even-DV outputs in the permuted order of TILE_SOFTMAX_AND_V_DP. */
+#define DEFINE_ITEM_AVX(NAME, T, FNTYPE, TABLE, Q_BF16, V_DP)                                     \
 static void NAME(const float *restrict q, const T *restrict cache, int64_t page_stride,          \
                  int block_size, const int32_t *restrict blocks, int start, int t0, int t1,       \
                  int num_kv_heads, int g, int d, int64_t row, int64_t v_offset, float scale,     \
@@ -295,20 +373,24 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
             rows[i] = cache + (int64_t)blocks[pos / block_size] * page_stride                     \
                       + (int64_t)(pos % block_size) * row;                                        \
         }                                                                                         \
+        prefetch_rows((const char *)cache, page_stride * (int64_t)sizeof(T), block_size, blocks,  \
+                      start + tile + 2 * TILE, start + t1, row * (int64_t)sizeof(T),                  \
+                      v_offset * (int64_t)sizeof(T));                                             \
         for (int kh = 0; kh < num_kv_heads; kh++) {                                               \
             const float *qk = Q_BF16 ? (const float *)(qb + (int64_t)kh * g * d) : qs + (int64_t)kh * g * d; \
             fn(qk, os + (int64_t)kh * g * d, rows, n, (int64_t)kh * d, v_offset + (int64_t)kh * d, \
                scale, m + kh * g, l + kh * g);                                                    \
         }                                                                                         \
     }                                                                                             \
+    if (V_DP && (d / 16) % 2 == 0) unpermute_dp(os, heads, d);                                    \
     memcpy(o, os, sizeof(float) * (size_t)heads * d);                                             \
 }
 
-DEFINE_ITEM_AVX(item_avx_f32, float, tile_f32_fn, float, 0)
+DEFINE_ITEM_AVX(item_avx_f32, float, tile_f32_fn, float, 0, 0)
 #ifdef __AVX512BF16__
-DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, tile_bf16_fn, bf16dp, 1)
+DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, tile_bf16_fn, bf16dp, 1, 1)
 #else
-DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, tile_bf16_fn, uint16_t, 0)
+DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, tile_bf16_fn, uint16_t, 0, 0)
 #endif
 #endif
 
