@@ -63,9 +63,19 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
     slot_mapping: torch.Tensor  # int64 [num_tokens], block_id * block_size + offset
-    decode_groups: list[DecodeGroup]  # requests with query_len == 1
     prefills: list[PrefillChunk]  # requests with query_len > 1
     _cache: dict = field(default_factory=dict, repr=False)  # masks and row indices, built on first use
+
+    @property
+    def decode_groups(self) -> list[DecodeGroup]:
+        """Requests with query_len == 1 for the torch path, grouped by length. Built on first use
+        only: their padded slot tensors grow with batch x context, and the C kernel never needs them."""
+        if "decode_groups" not in self._cache:
+            qsl = self.query_start_loc.tolist()
+            self._cache["decode_groups"] = _decode_groups(
+                self.block_table, self.query_lens_list, self.seq_lens_list, qsl, self.block_size
+            )
+        return self._cache["decode_groups"]
 
     def decode_batch(self) -> tuple[torch.Tensor | slice, torch.Tensor, torch.Tensor] | None:
         """All decodes at once for the C kernel: (token selector, block-table rows, seq lens)."""
@@ -179,7 +189,6 @@ def make_attention_metadata(
         seq_lens_list=list(seq_lens),
         block_table=block_table,
         slot_mapping=slot_mapping.long(),
-        decode_groups=_decode_groups(block_table, query_lens, seq_lens, qsl, block_size),
         prefills=_prefill_chunks(block_table, query_lens, seq_lens, qsl, block_size),
     )
 
