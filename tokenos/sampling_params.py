@@ -10,7 +10,9 @@ model (token ids in the vocabulary, the context length) are the front door's
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from tokenos.core.validation import InvalidRequestError, check_int, check_sampling_values
 
@@ -24,6 +26,79 @@ class RequestOutputKind(enum.IntEnum):
     CUMULATIVE = 0  # every output carries the whole text so far
     DELTA = 1  # every output carries only what is new
     FINAL_ONLY = 2  # one output, when the request ends
+
+
+# Grammar kinds the engine core compiles (tokenos.structured): the vLLM names of StructuredOutputsParams.
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+MAX_GRAMMAR_CHARS = 1 << 20
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a grammar, vLLM's ``StructuredOutputsParams``: set exactly one of a JSON
+    schema (``json``: a dict or its JSON text), any JSON object (``json_object=True``), a regular
+    expression, a choice among strings, or a context-free grammar (Lark, or GBNF / EBNF as llguidance
+    reads them). Masks applied before sampling make every other token unpickable; the request stops
+    when the grammar is complete."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # JSON without whitespace between tokens (vLLM's option): small models can otherwise loop on it.
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "Structured outputs take exactly one of json, json_object, regex, choice or grammar; "
+                f"got {given or 'none'}.",
+                "structured_outputs",
+            )
+        if self.choice is not None and (
+            not isinstance(self.choice, list)
+            or not self.choice
+            or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise InvalidRequestError("choice must be a non-empty list of non-empty strings.", "choice")
+        for kind in ("regex", "grammar"):
+            value = getattr(self, kind)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{kind} must be a non-empty string.", kind)
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise InvalidRequestError("json must be a JSON schema (an object or its JSON text).", "json")
+        if len(self.spec()[1]) > MAX_GRAMMAR_CHARS:
+            raise InvalidRequestError(
+                f"The grammar is longer than {MAX_GRAMMAR_CHARS} characters.", "grammar"
+            )
+
+    def spec(self) -> tuple[str, str]:
+        """(kind, text): what the engine core compiles; a schema or a choice as JSON text."""
+        if self.json is not None or self.json_object:
+            schema = {"type": "object"} if self.json is None else self.json
+            if not self.disable_any_whitespace:
+                return ("json", schema if isinstance(schema, str) else json.dumps(schema))
+            if isinstance(schema, str):
+                schema = _json_object(schema)
+            # llguidance reads its options from the schema's "x-guidance" key.
+            return "json", json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+        if self.choice is not None:
+            return "choice", json.dumps(self.choice)
+        if self.regex is not None:
+            return "regex", self.regex
+        return "grammar", str(self.grammar)
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise InvalidRequestError(f"json is not valid JSON: {e}", "json") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError("json must be a JSON schema object.", "json")
+    return value
 
 
 @dataclass
@@ -50,6 +125,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -68,6 +144,11 @@ class SamplingParams:
         if len(self.stop) > MAX_STOP_STRINGS or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError(
                 f"At most {MAX_STOP_STRINGS} stop strings and {MAX_STOP_TOKEN_IDS} stop_token_ids.", "stop"
+            )
+        so = self.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise InvalidRequestError(
+                "structured_outputs must be a StructuredOutputsParams.", "structured_outputs"
             )
 
     @property

@@ -59,19 +59,37 @@ BAD_REQUESTS = [
     # token ids out of range are refused before anything decodes them (echo decodes the prompt)
     ("/v1/completions", {"prompt": [5, -1], "echo": True}, 400, "prompt"),
     ("/v1/completions", {"prompt": [[5], [2**40]]}, 400, "prompt"),
-    # features tokenos does not implement yet are refused by name, never silently ignored
-    ("/v1/completions", {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    # structured output that cannot work is refused by the field that asked for it
     (
         "/v1/chat/completions",
         {"response_format": {"type": "json_schema", "json_schema": {}}},
         400,
         "response_format",
     ),
+    ("/v1/chat/completions", {"response_format": {"type": "structural_tag"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"response_format": "json"}, 400, "response_format"),
+    ("/v1/completions", {"guided_regex": "[0-9"}, 400, "guided_regex"),
+    ("/v1/completions", {"guided_json": {"type": "object", "properties": 5}}, 400, "guided_json"),
+    ("/v1/chat/completions", {"guided_choice": []}, 400, "guided_choice"),
+    ("/v1/completions", {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400, "structured_outputs"),
+    ("/v1/completions", {"structured_outputs": {"whitespace_pattern": " "}}, 400, "structured_outputs"),
+    ("/v1/completions", {"guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),
+    (
+        "/v1/completions",
+        {"guided_regex": "a", "guided_decoding_backend": "xgrammar"},
+        400,
+        "guided_decoding_backend",
+    ),
+    (
+        "/v1/completions",
+        {"guided_regex": "a", "guided_whitespace_pattern": " "},
+        400,
+        "guided_whitespace_pattern",
+    ),
+    # features tokenos does not implement yet are refused by name, never silently ignored
     ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", {"tool_choice": "required"}, 400, "tool_choice"),
     ("/v1/completions", {"best_of": 3}, 400, "best_of"),
-    ("/v1/completions", {"guided_json": {"type": "object"}}, 400, "guided_json"),
-    ("/v1/chat/completions", {"guided_choice": ["a", "b"]}, 400, "guided_choice"),
     ("/v1/completions", {"logits_processors": ["x"]}, 400, "logits_processors"),
     ("/v1/completions", {"prompt_logprobs": 1}, 400, "prompt_logprobs"),
 ]
@@ -82,6 +100,13 @@ def test_harmless_values_of_unsupported_fields_are_accepted(make_client, fake_en
     accepted = [
         ("/v1/chat/completions", {"response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}),
         ("/v1/completions", {"best_of": 1, "unknown_extra": 5}),
+        ("/v1/completions", {"response_format": {"type": "json_object"}}),
+        ("/v1/chat/completions", {"guided_choice": ["a", "b"], "guided_decoding_backend": "auto"}),
+        ("/v1/completions", {"structured_outputs": {"regex": "[0-9]+", "disable_any_whitespace": True}}),
+        (
+            "/v1/chat/completions",
+            {"guided_json": {"type": "object"}, "structured_outputs": {"disable_any_whitespace": True}},
+        ),
     ]
     for route, changes in accepted:
         body = {**(CHAT if "chat" in route else COMPLETION), **changes}
@@ -176,3 +201,29 @@ def test_chat_max_tokens_default_to_the_rest_of_the_context():
     with pytest.raises(InvalidRequestError, match="maximum context length is 64") as e:
         door.check_context(61, params.max_tokens)
     assert e.value.param == "max_tokens"
+
+
+def test_structured_output_fields_map_to_one_grammar():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+            "json",
+        ),
+        ({"response_format": {"type": "json_object"}}, "json"),
+        ({"guided_regex": "[0-9]+"}, "regex"),
+        ({"guided_choice": ["a", "b"]}, "choice"),
+        ({"guided_grammar": 'start: "a"'}, "grammar"),
+        ({"structured_outputs": {"choice": ["x"]}}, "choice"),
+        ({"response_format": {"type": "text"}}, None),
+    ]
+    for fields, kind in cases:
+        params = ChatCompletionRequest.model_validate({**CHAT, **fields}).to_sampling_params()
+        if kind is None:
+            assert params.structured_outputs is None
+        else:
+            assert params.structured_outputs.spec()[0] == kind
+    compact = ChatCompletionRequest.model_validate(
+        {**CHAT, "guided_json": schema, "structured_outputs": {"disable_any_whitespace": True}}
+    ).to_sampling_params()
+    assert compact.structured_outputs.disable_any_whitespace

@@ -119,6 +119,49 @@ def test_chat_stream_with_usage(client):
     assert full.choices[0].message.content == "".join(c.choices[0].delta.content or "" for c in content)
 
 
+def test_structured_output(server, client):
+    """response_format, vLLM's structured_outputs and guided_* through the real server: the random model's
+    answers parse, match and stop; a grammar that cannot compile is a 400."""
+    import re
+
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 10}, "ok": {"type": "boolean"}},
+        "required": ["name", "ok"],
+        "additionalProperties": False,
+    }
+    chat = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Who are you?"}],
+        max_completion_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "who", "schema": schema}},
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}},
+    )
+    value = json.loads(chat.choices[0].message.content)
+    assert set(value) == {"name", "ok"} and isinstance(value["ok"], bool)
+    assert chat.choices[0].finish_reason == "stop"
+    phone = client.completions.create(
+        model="tiny",
+        prompt="Phone:",
+        max_tokens=30,
+        temperature=0,
+        extra_body={"guided_regex": r"[0-9]{3}-[0-9]{4}"},
+    )
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone.choices[0].text)
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Pick"}],
+        max_completion_tokens=10,
+        stream=True,
+        extra_body={"guided_choice": ["red", "green", "blue"]},
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text in ("red", "green", "blue")
+    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=3, extra_body={"guided_regex": "[0-9"})
+
+
 def test_bad_requests(server, client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt=[100] * MAX_MODEL_LEN, max_tokens=1)

@@ -32,6 +32,14 @@ class FinishReason(enum.IntEnum):
         return ("stop", "length", "abort")[self.value]
 
 
+class StructuredSpec(msgspec.Struct, frozen=True, array_like=True):
+    """A grammar the output must follow (see tokenos.structured): kind is one of
+    tokenos.sampling_params.STRUCTURED_KINDS; text the schema / regex / choice list / grammar."""
+
+    kind: str
+    text: str
+
+
 class EngineSamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True, kw_only=True):
     """How the engine core samples one request's tokens and when it stops them (token-level rules)."""
 
@@ -50,6 +58,7 @@ class EngineSamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_de
     ignore_eos: bool = False
     logprobs: int | None = None  # top-n per generated token (the sampled one is always included)
     prompt_logprobs: int | None = None
+    structured: StructuredSpec | None = None
 
     @property
     def greedy(self) -> bool:

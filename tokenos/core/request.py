@@ -13,7 +13,7 @@ from __future__ import annotations
 import enum
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from tokenos.core.messages import EngineCoreRequest, EngineSamplingParams, FinishReason
 
@@ -46,6 +46,14 @@ _FINISH_REASONS = {
 }
 
 
+class GrammarState(Protocol):
+    """What the scheduler needs of a request's grammar matcher (tokenos.structured.backend.Matcher)."""
+
+    def accept(self, token_id: int) -> bool: ...
+
+    def is_terminated(self) -> bool: ...
+
+
 class Request:
     __slots__ = (
         "request_id",
@@ -69,6 +77,7 @@ class Request:
         "max_tokens",
         "stop_token_ids",
         "fork_of",
+        "grammar",
         "_block_hasher",
         "_next_hash_at",
         "__weakref__",
@@ -119,6 +128,8 @@ class Request:
         self.max_total_tokens = 1 << 62
         # Sibling of an n > 1 request: the id of the sample that computes the shared prompt.
         self.fork_of = fork_of
+        # Structured output: the matcher of its grammar (tokenos.structured), attached when compiled.
+        self.grammar: GrammarState | None = None
         self._block_hasher = None
         self._next_hash_at = 1 << 62
         if block_hasher is not None:

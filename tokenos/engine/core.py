@@ -12,13 +12,18 @@ import time
 from collections.abc import Iterable
 
 from tokenos.core.kv_cache.spec import MambaSpec, get_kv_cache_config
-from tokenos.core.messages import EngineCoreOutputs, EngineCoreRequest
+from tokenos.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from tokenos.core.request import Request, RequestStatus
 from tokenos.core.sched.scheduler import Scheduler
 from tokenos.core.validation import check_prompt_tokens, check_sampling_for_model, check_sampling_values
 from tokenos.engine.args import EngineArgs, model_name
+from tokenos.structured.backend import LLGuidanceBackend
+from tokenos.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+# How long an idle step waits for a grammar being compiled before it returns.
+GRAMMAR_POLL_S = 0.002
 
 
 class EngineCore:
@@ -48,6 +53,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             scheduler_config, cache_config, self.kv_cache_config, model_config.max_model_len
         )
+        # Structured output, built on the first request with a grammar (it loads the tokenizer).
+        self.structured: StructuredOutputManager | None = None
         self._log_pool_layout(args.block_size)
         logger.info("%s", self.model_runner.describe_kernels())
         self.startup_s = time.perf_counter() - t0
@@ -99,23 +106,64 @@ class EngineCore:
         check_prompt_tokens(req.prompt_token_ids, self.model_config.max_model_len, vocab_size)
         check_sampling_values(req.sampling_params)
         check_sampling_for_model(req.sampling_params, vocab_size, max_logprobs=vocab_size)
-        self.scheduler.add_request(Request.from_engine_core_request(req))
+        request = Request.from_engine_core_request(req)
+        spec = req.sampling_params.structured
+        if spec is None:
+            self.scheduler.add_request(request)
+        else:  # scheduled once its grammar is compiled (off this loop)
+            self._structured_manager().submit(request, spec)
+
+    def _structured_manager(self) -> StructuredOutputManager:
+        if self.structured is None:
+            self.structured = StructuredOutputManager(self._grammar_backend, self.model_config.vocab_size)
+        return self.structured
+
+    def _grammar_backend(self) -> LLGuidanceBackend:
+        from tokenos.engine.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(self.args.tokenizer or self.args.model)
+        eos = list(self.model_config.eos_token_ids) or [tokenizer.eos_token_id]
+        return LLGuidanceBackend(
+            tokenizer.hf, self.model_config.vocab_size, [t for t in eos if t is not None]
+        )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        ids = list(request_ids)
+        if self.structured is not None:
+            pending = set(self.structured.abort(ids))
+            ids = [rid for rid in ids if rid not in pending]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        pending = self.structured is not None and self.structured.num_pending > 0
+        return pending or self.scheduler.has_unfinished_requests()
 
     # ------------------------------------------------------------ the loop
 
     def step(self) -> EngineCoreOutputs:
+        failed = self._admit_compiled() if self.structured is not None else []
         if not self.scheduler.has_unfinished_requests():
-            return EngineCoreOutputs(outputs=[], timestamp=time.monotonic(), stats=self.get_stats())
+            if self.structured is not None and self.structured.num_pending:
+                time.sleep(GRAMMAR_POLL_S)  # nothing to run until a grammar is ready
+            return EngineCoreOutputs(outputs=failed, timestamp=time.monotonic(), stats=self.get_stats())
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        masks = None
+        if self.structured is not None:
+            masks = self.structured.bitmasks(scheduler_output, self.scheduler.requests)
+        runner_output = self.model_runner.execute_model(scheduler_output, grammar_masks=masks)
         outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
-        return EngineCoreOutputs(outputs=outputs, timestamp=time.monotonic(), stats=self.get_stats())
+        return EngineCoreOutputs(outputs=failed + outputs, timestamp=time.monotonic(), stats=self.get_stats())
+
+    def _admit_compiled(self) -> list[EngineCoreOutput]:
+        """Requests whose grammar is now compiled join the scheduler; those whose grammar failed end,
+        with the error."""
+        ready, failed = self.structured.take_ready()
+        for request in ready:
+            self.scheduler.add_request(request)
+        return [
+            EngineCoreOutput(req.request_id, [], finish_reason=int(FinishReason.ABORT), error=error)
+            for req, error in failed
+        ]
 
     # ------------------------------------------------------------ utilities
 

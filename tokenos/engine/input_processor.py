@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from tokenos.core.messages import EngineCoreRequest, EngineSamplingParams
+from tokenos.core.messages import EngineCoreRequest, EngineSamplingParams, StructuredSpec
 from tokenos.core.validation import (
     INT64_MAX,
     INT64_MIN,
@@ -35,6 +35,7 @@ from tokenos.core.validation import (
     check_token_ids,
 )
 from tokenos.sampling_params import RequestOutputKind, SamplingParams
+from tokenos.structured.backend import GrammarError, check_grammar
 
 
 @dataclass(frozen=True)
@@ -102,7 +103,14 @@ def engine_sampling_params(params: SamplingParams, seed: int | None) -> EngineSa
         ignore_eos=params.ignore_eos,
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
+        structured=structured_spec(params),
     )
+
+
+def structured_spec(params: SamplingParams) -> StructuredSpec | None:
+    if params.structured_outputs is None:
+        return None
+    return StructuredSpec(*params.structured_outputs.spec())
 
 
 class InputProcessor:
@@ -211,6 +219,12 @@ class InputProcessor:
         """What ``SamplingParams`` cannot check alone: token ids against this model's vocabulary, the
         number of logprobs."""
         check_sampling_for_model(params, self.vocab_size, self.max_logprobs)
+        spec = structured_spec(params)
+        if spec is not None:
+            try:
+                check_grammar(spec)
+            except GrammarError as e:
+                raise InvalidRequestError(str(e), "structured_outputs") from None
 
     def check_context(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens") -> None:
         """The OpenAI API's rule: the prompt plus the requested completion must fit the context."""

@@ -131,7 +131,12 @@ class ModelRunner:
     # ------------------------------------------------------------------ step
 
     @torch.inference_mode()
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(
+        self, scheduler_output: SchedulerOutput, grammar_masks: dict[str, np.ndarray] | None = None
+    ) -> ModelRunnerOutput:
+        """One step. ``grammar_masks``: req id -> int32 bitmask row (bit t = token t allowed) for the
+        structured-output requests that sample this step; every other token of their row is made
+        unpickable before any sampling stage."""
         self._update_states(scheduler_output)
         batch = self.input_batch
         assert batch is not None
@@ -158,6 +163,8 @@ class ModelRunner:
         seq_after = inputs.seq_lens
         sample_mask = seq_after >= batch.num_tokens[:n]
         logits = self.model.compute_logits(hidden[torch.from_numpy(inputs.last_token_indices)])
+        if grammar_masks:
+            apply_grammar_masks(logits, req_ids, grammar_masks)
         # rows still mid-prompt sample nothing; their seeded generators must not advance
         discard = np.flatnonzero(~sample_mask).tolist()
         metadata = batch.sampling.make_metadata(n, discard_rows=discard)
@@ -287,3 +294,15 @@ class ModelRunner:
             # the first prompt token has no logprob (nothing precedes it)
             out[req_ids[row]] = ([None] if first == 0 else []) + scored
         return out
+
+
+def apply_grammar_masks(logits: torch.Tensor, req_ids: list[str], masks: dict[str, np.ndarray]) -> None:
+    """Set to -inf, in place, every logit a request's grammar forbids (row r of ``logits`` is req_ids[r])."""
+    rows = [i for i, rid in enumerate(req_ids) if rid in masks]
+    if not rows:
+        return
+    words = torch.from_numpy(np.stack([masks[req_ids[i]] for i in rows]))
+    bits = (words.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.view(len(rows), -1)[:, : logits.shape[1]].bool()
+    index = torch.tensor(rows)
+    logits[index] = logits[index].masked_fill(~allowed, float("-inf"))

@@ -287,10 +287,13 @@ class Scheduler:
             finished = False
             new_lp = None
             # Tokens sampled for a partial prefill chunk are not real outputs: ignore them.
+            error = None
             if tokens and req.num_computed_tokens >= len(req.all_token_ids):
                 for k, tok in enumerate(tokens):
                     req.append_output_token_ids(tok)
-                    if check_stop(req):
+                    if req.grammar is not None:
+                        error = self._advance_grammar(req, tok)
+                    if req.status != _RUNNING or check_stop(req):
                         finished = True
                         tokens = tokens[: k + 1]
                         break
@@ -313,6 +316,7 @@ class Scheduler:
                         int(RequestStatus.finish_reason(req.status)) if finished else None,
                         req.stop_reason,
                         req.num_cached_tokens if req.num_cached_tokens > 0 else 0,
+                        error,
                     )
                 )
             if finished:
@@ -327,6 +331,17 @@ class Scheduler:
         req.status = RequestStatus.FINISHED_ABORTED
         self._free_request(req)
         return EngineCoreOutput(req.request_id, [], finish_reason=int(FinishReason.ABORT), error=error)
+
+    @staticmethod
+    def _advance_grammar(req: Request, token: int) -> str | None:
+        """Advance the request's grammar by its new token: stopped when the grammar is complete,
+        aborted (with the error returned) when the grammar refuses a token the mask should have ruled out."""
+        if not req.grammar.accept(token):
+            req.status = RequestStatus.FINISHED_ABORTED
+            return f"structured output: the grammar rejected token {token}"
+        if req.grammar.is_terminated():
+            req.status = RequestStatus.FINISHED_STOPPED
+        return None
 
     def _check_stop(self, req: Request) -> bool:
         """Stop rules, after one token was appended. Sets status (and stop_reason)."""

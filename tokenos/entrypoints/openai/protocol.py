@@ -7,9 +7,10 @@ The server answers every violation with 400 and an OpenAI-style body (`ErrorResp
 `to_sampling_params()` is the one place a request becomes engine parameters; the front door
 (`tokenos.engine.input_processor`) then checks it against the model.
 Unknown fields are ignored (clients send extras), as vLLM does, EXCEPT fields that name a feature
-tokenos does not implement yet (structured output, tools, logits processors, best_of > n, ...): those
-are refused with 400 (`reject_unsupported`), because ignoring them would silently change what the
-client gets.
+tokenos does not implement yet (tools, logits processors, best_of > n, ...): those are refused with
+400 (`reject_unsupported`), because ignoring them would silently change what the client gets.
+Structured output (``response_format``, ``structured_outputs``, ``guided_*``) becomes a
+`StructuredOutputsParams` (`structured_outputs()`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tokenos.core.messages import StructuredSpec
 from tokenos.core.validation import INT64_MAX, INT64_MIN, InvalidRequestError
-from tokenos.sampling_params import RequestOutputKind, SamplingParams
+from tokenos.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from tokenos.structured.backend import GrammarError, check_grammar
 
 # ------------------------------------------------------------------ errors
 
@@ -127,25 +130,54 @@ def _no_tools(value: Any) -> bool:
     return value is None or value == []
 
 
-def _text_format(value: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
-
-
 def _no_tool_choice(value: Any) -> bool:
     return value is None or value == "none"
+
+
+def _response_format(value: Any) -> dict[str, Any]:
+    """OpenAI's response_format: json_schema (its ``schema``) or json_object."""
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise TypeError("response_format must be an object with a type")
+    kind = value["type"]
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        body = value.get("json_schema")
+        if not isinstance(body, dict) or not isinstance(body.get("schema"), dict):
+            raise TypeError("response_format json_schema needs json_schema.schema, a JSON schema object")
+        return {"json": body["schema"]}
+    raise TypeError(f"response_format type {kind!r} is not supported (json_schema, json_object or text)")
+
+
+_GRAMMAR_KEYS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+def _structured_body(value: Any) -> dict[str, Any]:
+    """vLLM's structured_outputs object: one of json, json_object, regex, choice, grammar."""
+    if not isinstance(value, dict):
+        raise TypeError("structured_outputs must be an object")
+    known = {*_GRAMMAR_KEYS, "disable_any_whitespace"}
+    unknown = {k for k, v in value.items() if k not in known and v not in (None, False)}
+    if unknown:
+        raise TypeError(f"unsupported structured_outputs fields {sorted(unknown)}")
+    return {k: v for k, v in value.items() if k in known}
+
+
+# Fields that ask for structured output -> their StructuredOutputsParams keywords.
+_STRUCTURED_FIELDS = {
+    "response_format": _response_format,
+    "structured_outputs": _structured_body,
+    "guided_json": lambda v: {"json": v},
+    "guided_regex": lambda v: {"regex": v},
+    "guided_choice": lambda v: {"choice": v},
+    "guided_grammar": lambda v: {"grammar": v},
+}
 
 
 # Request fields that would change what the user gets, refused until tokenos implements them: field ->
 # (accepted when, what to say). Everything else unknown is ignored, as vLLM does.
 _UNSUPPORTED_SAMPLING = {
-    "response_format": (_text_format, "structured output (response_format) is not supported yet"),
-    "structured_outputs": (_unset, "structured output is not supported yet"),
-    "guided_json": (_unset, "guided decoding (guided_json) is not supported yet"),
-    "guided_regex": (_unset, "guided decoding (guided_regex) is not supported yet"),
-    "guided_choice": (_unset, "guided decoding (guided_choice) is not supported yet"),
-    "guided_grammar": (_unset, "guided decoding (guided_grammar) is not supported yet"),
-    "guided_decoding_backend": (_unset, "guided decoding is not supported yet"),
-    "guided_whitespace_pattern": (_unset, "guided decoding is not supported yet"),
+    "guided_whitespace_pattern": (_unset, "guided_whitespace_pattern is not supported"),
     "logits_processors": (_unset, "logits_processors are not supported"),
     "allowed_token_ids": (_unset, "allowed_token_ids is not supported yet"),
     "bad_words": (_unset, "bad_words is not supported yet"),
@@ -210,10 +242,50 @@ class SamplingFields(RequestModel):
         if best_of is not None and best_of != self.n:
             raise OpenAIError("best_of other than n is not supported yet.", param="best_of")
 
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """The request's grammar from whichever field names it: OpenAI's ``response_format``, vLLM's
+        ``structured_outputs``, or the older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
+        ``guided_grammar``; 400 when several do, or when one is malformed."""
+        extra = self.model_extra or {}
+        backend = extra.get("guided_decoding_backend")
+        if backend not in (None, "auto", "guidance", "llguidance"):
+            raise OpenAIError(
+                f"guided_decoding_backend {backend!r} is not available: tokenos uses llguidance.",
+                param="guided_decoding_backend",
+            )
+        found = {name: value for name in _STRUCTURED_FIELDS if (value := extra.get(name)) is not None}
+        fmt = found.get("response_format")
+        if isinstance(fmt, dict) and fmt.get("type") == "text" and len(fmt) == 1:
+            del found["response_format"]
+        # structured_outputs may carry only options (disable_any_whitespace) for another field's grammar.
+        body = found.get("structured_outputs")
+        options = {}
+        if isinstance(body, dict):
+            if body.get("disable_any_whitespace") is not None:
+                options["disable_any_whitespace"] = body["disable_any_whitespace"]
+            if not any(body.get(k) not in (None, False) for k in _GRAMMAR_KEYS) and len(found) > 1:
+                del found["structured_outputs"]
+        if len(found) > 1:
+            raise OpenAIError(
+                f"Give one structured-output field, not {sorted(found)}.", param=sorted(found)[0]
+            )
+        if not found:
+            return None
+        ((name, value),) = found.items()
+        try:
+            params = StructuredOutputsParams(**{**_STRUCTURED_FIELDS[name](value), **options})
+            check_grammar(StructuredSpec(*params.spec()))
+        except InvalidRequestError as e:
+            raise OpenAIError(e.message, param=name) from e
+        except (TypeError, GrammarError) as e:
+            raise OpenAIError(f"Malformed {name}: {e}", param=name) from e
+        return params
+
     def to_sampling_params(self) -> SamplingParams:
         """Engine parameters for this request (max_tokens None: up to the context length)."""
         self.reject_unsupported()
         max_tokens = self.requested_max_tokens()
+        structured = self.structured_outputs()
         try:
             return SamplingParams(
                 n=self.n,
@@ -236,6 +308,7 @@ class SamplingFields(RequestModel):
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+                structured_outputs=structured,
             )
         except InvalidRequestError as e:
             raise OpenAIError(e.message, param=e.param) from e
