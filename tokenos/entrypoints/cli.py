@@ -1,4 +1,5 @@
-"""The `tokenos` command: `generate`, `serve` and `bench {throughput,serve,scheduler,hybrid,kernels}`."""
+"""The `tokenos` command: `generate`, `serve` and
+`bench {throughput,serve,scheduler,hybrid,kernels,structured}`."""
 
 from __future__ import annotations
 
@@ -48,6 +49,7 @@ def _bench(argv: list[str]) -> int:
         "scheduler": "tokenos.bench.scheduler",
         "hybrid": "tokenos.bench.hybrid",
         "kernels": "tokenos.bench.kernels",
+        "structured": "tokenos.bench.structured",
     }
     if not argv or argv[0] not in kinds:
         print(f"usage: tokenos bench {{{','.join(kinds)}}} [options]", file=sys.stderr)
