@@ -173,3 +173,23 @@ def test_engine_core_fails_a_bad_grammar_alone_and_aborts_pending(llm):
     core.add_request(EngineCoreRequest(request_id="gone", prompt_token_ids=[5], sampling_params=choice))
     core.abort_requests(["gone"])
     assert not core.has_unfinished_requests()
+
+
+def test_grammar_with_stop_strings_penalties_and_min_tokens(llm):
+    """Stop strings cut a constrained answer where they match; penalties and logit bias reshape the
+    masked distribution without leaving it; the grammar's end finishes a request even before its
+    min_tokens (every other token is unpickable)."""
+    cut = llm.generate(["Phone: "], params(KINDS["regex"], stop=["-"]), use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch(r"[0-9]{3}", cut.text) and cut.finish_reason == "stop"
+    shaped = llm.generate(
+        ["Phone: "] * 2,
+        [
+            params(KINDS["regex"], repetition_penalty=1.5, presence_penalty=1.0, frequency_penalty=0.5),
+            params(KINDS["regex"], logit_bias={10407: 100.0}, temperature=0.8, seed=3),
+        ],
+        use_tqdm=False,
+    )
+    for out in shaped:
+        check("regex", out.outputs[0].text)
+    early = llm.generate(["x"], params(SO(choice=["yes"]), min_tokens=5), use_tqdm=False)[0].outputs[0]
+    assert early.text == "yes" and early.finish_reason == "stop"
