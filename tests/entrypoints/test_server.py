@@ -162,6 +162,31 @@ def test_structured_output(server, client):
         client.completions.create(model="tiny", prompt="x", max_tokens=3, extra_body={"guided_regex": "[0-9"})
 
 
+def test_openai_parse_with_a_pydantic_model(server, client):
+    """The official client's `chat.completions.parse(response_format=Model)`: it sends a strict
+    json_schema and parses the answer into the model."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Ticket(BaseModel):
+        title: str = Field(max_length=12)
+        priority: Literal["low", "high"]
+        open: bool
+
+    completion = client.chat.completions.parse(
+        model="tiny",
+        messages=[{"role": "user", "content": "File a ticket"}],
+        response_format=Ticket,
+        max_completion_tokens=60,
+        temperature=1.0,
+        seed=5,
+        extra_body={"structured_outputs": {"disable_any_whitespace": True}},
+    )
+    ticket = completion.choices[0].message.parsed
+    assert isinstance(ticket, Ticket) and ticket.priority in ("low", "high")
+
+
 def test_bad_requests(server, client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt=[100] * MAX_MODEL_LEN, max_tokens=1)

@@ -193,3 +193,43 @@ def test_grammar_with_stop_strings_penalties_and_min_tokens(llm):
         check("regex", out.outputs[0].text)
     early = llm.generate(["x"], params(SO(choice=["yes"]), min_tokens=5), use_tqdm=False)[0].outputs[0]
     assert early.text == "yes" and early.finish_reason == "stop"
+
+
+NESTED = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+        "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{2}$"},
+        "level": {"enum": ["low", "mid", "high"]},
+        "owner": {
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 8}, "admin": {"type": "boolean"}},
+            "required": ["name", "admin"],
+            "additionalProperties": False,
+        },
+        "scores": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": -50, "maximum": 50},
+            "maxItems": 4,
+        },
+    },
+    "required": ["id", "code", "level", "owner", "scores"],
+    "additionalProperties": False,
+}
+
+
+def test_every_sampled_answer_validates_against_a_nested_schema(llm):
+    """Temperature 1.0 over 96 samples of a random model: nested objects, arrays, enums, bounded
+    integers, a string pattern, required fields; every answer must validate (jsonschema)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    so = SO(json=NESTED, disable_any_whitespace=True)
+    outs = llm.generate(
+        [f"Record {i}: " for i in range(12)],
+        params(so, temperature=1.0, n=8, seed=11, max_tokens=200),
+        use_tqdm=False,
+    )
+    samples = [s for out in outs for s in out.outputs]
+    assert len(samples) == 96
+    for sample in samples:
+        assert sample.finish_reason == "stop", sample.text
+        jsonschema.validate(json.loads(sample.text), NESTED)
