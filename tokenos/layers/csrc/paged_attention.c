@@ -154,11 +154,10 @@ static inline void NAME(const float *restrict qk, float *restrict ok, const T *c
     TILE_SOFTMAX_AND_V(T, LOAD, G, DV)                                                            \
 }
 
-/* The second half of a tile, shared by both kinds: the online-softmax update of the G heads from
- * their scores, then the V rows (widened to float32) accumulated with the probabilities. */
-#define TILE_SOFTMAX_AND_V(T, LOAD, G, DV)                                                        \
+/* The online-softmax update of a tile for the G heads from their scores: each head's new max and
+ * sum, its outputs in ok rescaled, and STORE_P(h, e) handed its probabilities (zero past n). */
+#define TILE_ONLINE_SOFTMAX(G, DV, STORE_P)                                                       \
     const __mmask16 live = (__mmask16)((1u << n) - 1);                                            \
-    float p[G][TILE] __attribute__((aligned(64)));                                                \
     for (int h = 0; h < G; h++) {                                                                 \
         const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, scores[h]);          \
         const float mt = fmaxf(m[h], _mm512_reduce_max_ps(s));                                    \
@@ -166,12 +165,20 @@ static inline void NAME(const float *restrict qk, float *restrict ok, const T *c
         const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mt))));  \
         l[h] = l[h] * alpha + _mm512_reduce_add_ps(e);                                            \
         m[h] = mt;                                                                                \
-        _mm512_store_ps(p[h], e);                                                                 \
+        STORE_P(h, e);                                                                            \
         if (alpha != 1.f)                                                                         \
             for (int j = 0; j < DV; j++)                                                          \
                 _mm512_store_ps(ok + (h * DV + j) * 16,                                           \
                                 _mm512_mul_ps(_mm512_load_ps(ok + (h * DV + j) * 16), _mm512_set1_ps(alpha))); \
-    }                                                                                             \
+    }
+#define STORE_P_F32(h, e) _mm512_store_ps(p[h], e)
+#define STORE_P_BF16(h, e) _mm256_store_si256((__m256i *)pp[h], (__m256i)_mm512_cvtneps_pbh(e))
+
+/* The second half of a tile, shared by both kinds: the online-softmax update of the G heads from
+ * their scores, then the V rows (widened to float32) accumulated with the probabilities. */
+#define TILE_SOFTMAX_AND_V(T, LOAD, G, DV)                                                        \
+    float p[G][TILE] __attribute__((aligned(64)));                                                \
+    TILE_ONLINE_SOFTMAX(G, DV, STORE_P_F32)                                                       \
     __m512 o[G][DV];                                                                              \
     for (int h = 0; h < G; h++)                                                                   \
         for (int j = 0; j < DV; j++) o[h][j] = _mm512_load_ps(ok + (h * DV + j) * 16);            \
@@ -228,22 +235,8 @@ static inline void NAME(const float *restrict qk, float *restrict ok, const uint
  * accumulator's lanes in a fixed permuted order of dimensions (see unpermute_dp), undone once per
  * item. Rows past n have probability 0 (their V is read but contributes nothing). */
 #define TILE_SOFTMAX_AND_V_DP(G, DV)                                                              \
-    const __mmask16 live = (__mmask16)((1u << n) - 1);                                            \
     uint32_t pp[G][TILE / 2] __attribute__((aligned(64)));                                        \
-    for (int h = 0; h < G; h++) {                                                                 \
-        const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, scores[h]);          \
-        const float mt = fmaxf(m[h], _mm512_reduce_max_ps(s));                                    \
-        float alpha = m[h] - mt;                                                                  \
-        if (m[h] == -INFINITY) alpha = 0.f; else exp_tile(&alpha, 1);                             \
-        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mt))));  \
-        l[h] = l[h] * alpha + _mm512_reduce_add_ps(e);                                            \
-        m[h] = mt;                                                                                \
-        _mm256_store_si256((__m256i *)pp[h], (__m256i)_mm512_cvtneps_pbh(e));                     \
-        if (alpha != 1.f)                                                                         \
-            for (int j = 0; j < DV; j++)                                                          \
-                _mm512_store_ps(ok + (h * DV + j) * 16,                                           \
-                                _mm512_mul_ps(_mm512_load_ps(ok + (h * DV + j) * 16), _mm512_set1_ps(alpha))); \
-    }                                                                                             \
+    TILE_ONLINE_SOFTMAX(G, DV, STORE_P_BF16)                                                      \
     __m512 o[G][DV];                                                                              \
     for (int h = 0; h < G; h++)                                                                   \
         for (int j = 0; j < DV; j++) o[h][j] = _mm512_load_ps(ok + (h * DV + j) * 16);            \
