@@ -12,21 +12,9 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "vec_math.h"
+
 typedef uint16_t bf16;
-
-static inline float bf16_to_f32(bf16 h) {
-    union { uint32_t u; float f; } x;
-    x.u = ((uint32_t)h) << 16;
-    return x.f;
-}
-
-static inline bf16 f32_to_bf16(float f) {
-    union { float f; uint32_t u; } x;
-    x.f = f;
-    const uint32_t rounded = (x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16; /* nearest, ties to even */
-    const uint32_t nan = (x.u >> 16) | 0x40u;                              /* stays a quiet NaN */
-    return (bf16)((x.u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
-}
 
 /* Rounding of a float32 result to the tensor's dtype: none for float32. */
 static inline float round_f32(float f) { return f; }

@@ -1,5 +1,6 @@
-/* Scalar and AVX-512 helpers shared by the attention kernels (paged_attention.c, prefill_attention.c):
- * bf16 <-> float32 and a vectorizable exp for x <= 0 (softmax exponents). */
+/* Scalar and AVX-512 helpers shared by the C kernels (paged_attention.c, prefill_attention.c,
+ * step_ops.c): bf16 <-> float32 (round to nearest even, NaN kept) and a vectorizable exp for x <= 0
+ * (softmax exponents). */
 #ifndef TOKENOS_VEC_MATH_H
 #define TOKENOS_VEC_MATH_H
 #include <math.h>
@@ -11,10 +12,12 @@ static inline float bf16_to_f32(uint16_t h) {
     return x.f;
 }
 
-static inline uint16_t f32_to_bf16(float f) { /* round to nearest even (q is bf16-exact anyway) */
+static inline uint16_t f32_to_bf16(float f) {
     union { float f; uint32_t u; } x;
     x.f = f;
-    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
+    const uint32_t rounded = (x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16; /* nearest, ties to even */
+    const uint32_t nan = (x.u >> 16) | 0x40u;                              /* stays a quiet NaN */
+    return (uint16_t)((x.u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 /* exp(x) for x <= 0 (scores minus their max), vectorizable: 2^(x log2 e) = 2^n * 2^f with a
