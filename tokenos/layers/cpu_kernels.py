@@ -218,6 +218,7 @@ def paged_decode(
     return out
 
 
+@cache  # asked by every attention layer every step; the library and the CPU do not change
 def prefill_supported(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
     """Whether the C prefill kernel is built for this CPU (AVX512-BF16) and takes these head shapes."""
     lib = load()

@@ -8,6 +8,7 @@ token. A second backend (xgrammar) would implement the same two protocols.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Protocol
 
@@ -70,6 +71,15 @@ def llguidance_grammar(spec: StructuredSpec) -> str:
 def check_grammar(spec: StructuredSpec) -> None:
     """GrammarError when ``spec`` cannot compile, without a tokenizer: what the front door checks so
     that a bad schema is a 400, not a request that fails later inside the engine."""
+    message = _grammar_error(spec)
+    if message:
+        raise GrammarError(message)
+
+
+# An HTTP request is checked by its protocol model and twice by the front door: the verdict is kept
+# for the last few specs (a few, as a spec may be a megabyte of text).
+@functools.lru_cache(maxsize=16)
+def _grammar_error(spec: StructuredSpec) -> str | None:
     import llguidance
 
     try:
@@ -77,10 +87,9 @@ def check_grammar(spec: StructuredSpec) -> None:
             json.loads(spec.text)
         grammar = llguidance_grammar(spec)
     except (ValueError, TypeError) as e:
-        raise GrammarError(f"invalid {spec.kind} for structured output: {e}") from None
+        return f"invalid {spec.kind} for structured output: {e}"
     message = llguidance.LLMatcher.validate_grammar(grammar)
-    if message:
-        raise GrammarError(f"invalid {spec.kind} for structured output: {message}")
+    return f"invalid {spec.kind} for structured output: {message}" if message else None
 
 
 class LLGuidanceMatcher:
