@@ -14,6 +14,7 @@ from tests.fixtures.checkpoints import save_served
 from tokenos import LLM, SamplingParams
 from tokenos.core.messages import EngineCoreRequest, EngineSamplingParams, FinishReason, StructuredSpec
 from tokenos.core.validation import InvalidRequestError
+from tokenos.reasoning import REASONING_PARSERS, ReasoningParser, ReasoningState
 from tokenos.sampling_params import StructuredOutputsParams as SO
 
 pytest.importorskip("llguidance")
@@ -233,3 +234,43 @@ def test_every_sampled_answer_validates_against_a_nested_schema(llm):
     for sample in samples:
         assert sample.finish_reason == "stop", sample.text
         jsonschema.validate(json.loads(sample.text), NESTED)
+
+
+class MarkerParser(ReasoningParser):
+    """Thinking between two of SmolLM2's single-token specials, so a logit bias can open or close it."""
+
+    name = "test_markers"
+    start = "<issue_start>"  # token 8
+    end = "<issue_comment>"  # token 9
+    default_state = ReasoningState.OPEN
+
+
+@pytest.fixture
+def thinking_llm(folder, monkeypatch) -> LLM:
+    monkeypatch.setitem(REASONING_PARSERS, MarkerParser.name, MarkerParser)
+    return LLM(folder, dtype="float32", max_model_len=512, reasoning_parser=MarkerParser.name)
+
+
+def test_grammar_starts_after_the_thinking(thinking_llm, llm):
+    """The end marker (token 9) is no JSON: only a free thinking can produce it; then the grammar."""
+    so = SO(json_object=True, disable_any_whitespace=True)
+    bias_end = params(so, logit_bias={9: 100.0}, max_tokens=80)
+    thinking, ended = thinking_llm.generate(
+        ["hello<issue_start>", "a<issue_start>b<issue_comment>"], bias_end
+    )
+    tokens = thinking.outputs[0].token_ids
+    assert tokens[0] == 9 and 9 not in tokens[1:]
+    answer = thinking_llm.tokenizer.decode(tokens[1:])
+    assert isinstance(json.loads(answer), dict), answer
+    # the prompt closed the thinking: the grammar from the first token
+    assert ended.outputs[0].token_ids[0] != 9 and isinstance(json.loads(ended.outputs[0].text), dict)
+    # without a reasoning parser the same request is constrained from the first token
+    (plain,) = llm.generate(["hello<issue_start>"], bias_end)
+    assert plain.outputs[0].token_ids[0] != 9 and isinstance(json.loads(plain.outputs[0].text), dict)
+
+
+def test_open_output_may_start_thinking_and_is_then_free(thinking_llm):
+    so = SO(json_object=True, disable_any_whitespace=True)
+    (out,) = thinking_llm.generate(["hello"], params(so, logit_bias={8: 100.0}, max_tokens=6))
+    # the start marker is allowed beside the grammar's first tokens; inside the thinking nothing binds
+    assert out.outputs[0].token_ids == [8] * 6 and out.outputs[0].finish_reason == "length"

@@ -59,6 +59,9 @@ class EngineSamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_de
     logprobs: int | None = None  # top-n per generated token (the sampled one is always included)
     prompt_logprobs: int | None = None
     structured: StructuredSpec | None = None
+    # With a reasoning parser: where the output starts (tokenos.reasoning.ReasoningState; 0: no parser).
+    # The grammar constrains only what follows the thinking.
+    reasoning: int = 0
 
     @property
     def greedy(self) -> bool:

@@ -48,6 +48,9 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     seed: int = 0
     chat_template: str | None = None
+    # Reasoning models: the parser naming their thinking markers (tokenos.reasoning); structured output
+    # then constrains only the answer, and the chat server returns the thinking as reasoning_content.
+    reasoning_parser: str | None = None
     # Serving: requests (samples) that may wait beyond the max_num_seqs running; more get 429.
     max_waiting_requests: int = 1024
 
@@ -59,7 +62,10 @@ class EngineArgs:
         """(ModelConfig, SchedulerConfig, CacheConfig) for this model; ValueError on a bad setting."""
         from tokenos.config import CacheConfig, SchedulerConfig
         from tokenos.models.config import load_model_config
+        from tokenos.reasoning import get_reasoning_parser
 
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)  # ValueError naming the known parsers
         model_config = load_model_config(self.model, dtype=self.dtype, max_model_len=self.max_model_len)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -109,6 +115,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="reasoning models: deepseek_r1 or qwen3 (thinking as reasoning_content; grammars after it)",
+    )
     parser.add_argument(
         "--max-waiting-requests",
         type=int,

@@ -47,7 +47,12 @@ class AsyncLLM:
         )
         self.served_model_name = engine_args.served_model_name or model_name(self.model_config)
         self.tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config, engine_args.chat_template)
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.model_config,
+            engine_args.chat_template,
+            reasoning_parser=engine_args.reasoning_parser,
+        )
         self.metrics = metrics
         # Samples in flight (running or waiting in the core); beyond max_in_flight a request is refused.
         self.num_in_flight = 0

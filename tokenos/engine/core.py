@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
+from typing import Any
 
 from tokenos.core.kv_cache.spec import MambaSpec, get_kv_cache_config
 from tokenos.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
@@ -17,6 +18,7 @@ from tokenos.core.request import Request, RequestStatus
 from tokenos.core.sched.scheduler import Scheduler
 from tokenos.core.validation import check_prompt_tokens, check_sampling_for_model, check_sampling_values
 from tokenos.engine.args import EngineArgs, model_name
+from tokenos.reasoning import get_reasoning_parser
 from tokenos.structured.backend import LLGuidanceBackend
 from tokenos.structured.manager import StructuredOutputManager
 
@@ -55,6 +57,7 @@ class EngineCore:
         )
         # Structured output, built on the first request with a grammar (it loads the tokenizer).
         self.structured: StructuredOutputManager | None = None
+        self._loaded_tokenizer: Any = None
         self._log_pool_layout(args.block_size)
         logger.info("%s", self.model_runner.describe_kernels())
         self.startup_s = time.perf_counter() - t0
@@ -115,13 +118,29 @@ class EngineCore:
 
     def _structured_manager(self) -> StructuredOutputManager:
         if self.structured is None:
-            self.structured = StructuredOutputManager(self._grammar_backend, self.model_config.vocab_size)
+            markers = self._reasoning_markers if self.args.reasoning_parser else None
+            self.structured = StructuredOutputManager(
+                self._grammar_backend, self.model_config.vocab_size, reasoning_markers=markers
+            )
         return self.structured
 
-    def _grammar_backend(self) -> LLGuidanceBackend:
-        from tokenos.engine.tokenizer import load_tokenizer
+    def _tokenizer(self) -> Any:
+        if self._loaded_tokenizer is None:
+            from tokenos.engine.tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(self.args.tokenizer or self.args.model)
+            self._loaded_tokenizer = load_tokenizer(self.args.tokenizer or self.args.model)
+        return self._loaded_tokenizer
+
+    def _reasoning_markers(self) -> tuple[list[int], list[int]]:
+        parser = get_reasoning_parser(self.args.reasoning_parser)
+        tokenizer = self._tokenizer()
+        return (
+            tokenizer.encode(parser.start, add_special_tokens=False),
+            tokenizer.encode(parser.end, add_special_tokens=False),
+        )
+
+    def _grammar_backend(self) -> LLGuidanceBackend:
+        tokenizer = self._tokenizer()
         eos = list(self.model_config.eos_token_ids) or [tokenizer.eos_token_id]
         return LLGuidanceBackend(
             tokenizer.hf, self.model_config.vocab_size, [t for t in eos if t is not None]

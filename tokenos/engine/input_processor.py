@@ -34,6 +34,7 @@ from tokenos.core.validation import (
     check_sampling_for_model,
     check_token_ids,
 )
+from tokenos.reasoning import get_reasoning_parser
 from tokenos.sampling_params import RequestOutputKind, SamplingParams
 from tokenos.structured.backend import GrammarError, check_grammar
 
@@ -70,10 +71,20 @@ def sample_request_id(index: int, parent_id: str) -> str:
     return f"{index}_{parent_id}"
 
 
+# Templates tokenos ships, by name (``--chat-template chatml_tools``): for models whose own lacks tools.
+SHIPPED_TEMPLATES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "chat_templates")
+
+
+def shipped_template_path(name: str) -> str | None:
+    path = os.path.join(SHIPPED_TEMPLATES, f"{name}.jinja")
+    return path if name.isidentifier() and os.path.isfile(path) else None
+
+
 def resolve_chat_template(template: str | None) -> str | None:
-    """``--chat-template`` is a file path or the template itself."""
-    if template and os.path.isfile(template):
-        with open(template) as f:
+    """``--chat-template`` is a file path, the name of a shipped template, or the template itself."""
+    path = template and (shipped_template_path(template) or template)
+    if path and os.path.isfile(path):
+        with open(path) as f:
             return f.read()
     return template
 
@@ -85,8 +96,11 @@ def sample_seed(seed: int | None, index: int) -> int | None:
     return (seed + index - INT64_MIN) % 2**64 + INT64_MIN if seed + index > INT64_MAX else seed + index
 
 
-def engine_sampling_params(params: SamplingParams, seed: int | None) -> EngineSamplingParams:
-    """What the engine core needs of ``params`` (token-level rules only), with sample's ``seed``."""
+def engine_sampling_params(
+    params: SamplingParams, seed: int | None, reasoning: int = 0
+) -> EngineSamplingParams:
+    """What the engine core needs of ``params`` (token-level rules only), with sample's ``seed`` and
+    (with a reasoning parser and a grammar) the `ReasoningState` the output starts in."""
     return EngineSamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,
@@ -104,6 +118,7 @@ def engine_sampling_params(params: SamplingParams, seed: int | None) -> EngineSa
         logprobs=params.logprobs,
         prompt_logprobs=params.prompt_logprobs,
         structured=structured_spec(params),
+        reasoning=reasoning,
     )
 
 
@@ -115,12 +130,19 @@ def structured_spec(params: SamplingParams) -> StructuredSpec | None:
 
 class InputProcessor:
     def __init__(
-        self, tokenizer: Any, model_config: Any, chat_template: str | None = None, max_logprobs: int = 20
+        self,
+        tokenizer: Any,
+        model_config: Any,
+        chat_template: str | None = None,
+        max_logprobs: int = 20,
+        reasoning_parser: str | None = None,
     ) -> None:
         """``tokenizer`` may be None (``skip_tokenizer_init``: token-id prompts only); ``model_config``
         gives ``max_model_len``, ``vocab_size`` and ``eos_token_ids``; ``max_logprobs`` caps the top-n
-        logprobs a request may ask for (vLLM's default, 20)."""
+        logprobs a request may ask for (vLLM's default, 20); ``reasoning_parser`` names the thinking
+        markers of a reasoning model (`tokenos.reasoning`)."""
         self.tokenizer = tokenizer
+        self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         self.max_logprobs = max_logprobs
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.vocab_size
@@ -185,6 +207,12 @@ class InputProcessor:
             f"Unsupported prompt type {type(prompt).__name__}: give text or token ids.", "prompt"
         )
 
+    def active_chat_template(self, chat_template: str | None = None) -> str | None:
+        """The template a conversation is rendered with: the request's, else the engine's
+        ``--chat-template``, else the tokenizer's own (None: there is none)."""
+        own = getattr(self.tokenizer, "chat_template", None)
+        return resolve_chat_template(chat_template) or self.chat_template or own
+
     def render_chat(
         self,
         messages: list[dict[str, Any]],
@@ -197,7 +225,7 @@ class InputProcessor:
         if not messages:
             raise InvalidRequestError("A conversation needs at least one message.", "messages")
         tokenizer = self._require_tokenizer()
-        template = resolve_chat_template(chat_template) or self.chat_template
+        template = resolve_chat_template(chat_template) or self.chat_template  # None: the tokenizer's own
         try:
             text = tokenizer.apply_chat_template(
                 messages,
@@ -238,6 +266,13 @@ class InputProcessor:
 
     # ------------------------------------------------------------ conversion
 
+    def reasoning_state(self, prompt: Prompt, params: SamplingParams) -> int:
+        """Where a constrained output starts (`ReasoningState`), read off the prompt; 0 without a
+        reasoning parser or a grammar (the core then masks from the first token)."""
+        if self.reasoning_parser is None or params.structured_outputs is None:
+            return 0
+        return int(self.reasoning_parser.initial_state(prompt.text))
+
     def process(
         self,
         request_id: str,
@@ -259,6 +294,7 @@ class InputProcessor:
         if self.tokenizer is None:
             params.detokenize = False
         arrival = time.time() if arrival_time is None else arrival_time
+        reasoning = self.reasoning_state(tokenized, params)
         samples: list[EngineCoreRequest] = []
         for i in range(params.n):
             seed = sample_seed(params.seed, i)
@@ -266,7 +302,7 @@ class InputProcessor:
                 EngineCoreRequest(
                     request_id=request_id if params.n == 1 else sample_request_id(i, request_id),
                     prompt_token_ids=tokenized.token_ids,
-                    sampling_params=engine_sampling_params(params, seed),
+                    sampling_params=engine_sampling_params(params, seed, reasoning),
                     eos_token_id=self.eos_token_id,
                     extra_eos_token_ids=self.extra_eos_token_ids,
                     arrival_time=arrival,

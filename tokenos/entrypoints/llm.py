@@ -36,7 +36,10 @@ class LLM:
             else load_tokenizer(self.engine_args.tokenizer or self.engine_args.model)
         )
         self.input_processor = InputProcessor(
-            self.tokenizer, self.model_config, self.engine_args.chat_template
+            self.tokenizer,
+            self.model_config,
+            self.engine_args.chat_template,
+            reasoning_parser=self.engine_args.reasoning_parser,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
@@ -86,12 +89,22 @@ class LLM:
         *,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
+        """Generate replies to conversations (one or a list); ``tools`` and ``chat_template_kwargs``
+        reach the template (as in vLLM, the offline reply is text: no tool-call parsing)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
         prompts = [
             self.input_processor.render_chat(
-                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+                conversation,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
             )
             for conversation in conversations
         ]

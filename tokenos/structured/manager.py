@@ -10,6 +10,8 @@ Each step ``bitmasks`` fills one int32 row (bit t = token t allowed) for every s
 grammar that samples this step (a decode, or the chunk that completes its prompt); the model runner sets
 every other logit of that row to -inf before any sampling stage. The scheduler advances the matcher with
 each accepted token and stops the request when the grammar is complete (`Request.grammar`).
+With a reasoning parser, a request whose output starts in its thinking gets its matcher wrapped in a
+`ReasoningGate`: no constraint until the thinking's end marker.
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import numpy as np
 from tokenos.core.messages import StructuredSpec
 from tokenos.core.request import Request
 from tokenos.core.sched.output import SchedulerOutput
+from tokenos.reasoning import ReasoningState
 from tokenos.structured.backend import GrammarBackend, GrammarError, bitmask_words
+from tokenos.structured.reasoning_gate import ReasoningGate
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +38,19 @@ CACHE_SIZE = 64
 
 
 class StructuredOutputManager:
-    def __init__(self, make_backend: Any, vocab_size: int, compile_timeout_s: float = 30.0) -> None:
-        """``make_backend()`` builds the `GrammarBackend` (loading the tokenizer) on first use."""
+    def __init__(
+        self,
+        make_backend: Any,
+        vocab_size: int,
+        compile_timeout_s: float = 30.0,
+        reasoning_markers: Any = None,
+    ) -> None:
+        """``make_backend()`` builds the `GrammarBackend` (loading the tokenizer) on first use;
+        ``reasoning_markers()``, with a reasoning parser, gives the token ids of its start and end
+        markers: a request whose output starts in its thinking gets its grammar after it (`ReasoningGate`)."""
         self._make_backend = make_backend
+        self._reasoning_markers = reasoning_markers
+        self._markers: tuple[list[int], list[int]] | None = None
         self._backend: GrammarBackend | None = None
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
@@ -87,13 +101,22 @@ class StructuredOutputManager:
             del self._pending[rid]
             error = future.exception()
             if error is None:
-                req.grammar = self._backend_once().matcher(future.result())
+                req.grammar = self._matcher(req, future.result())
                 ready.append(req)
             else:
                 if not isinstance(error, GrammarError):
                     logger.error("grammar compilation of request %s failed: %r", rid, error)
                 failed.append((req, f"structured output: {error}"))
         return ready, failed
+
+    def _matcher(self, req: Request, compiled: Any) -> Any:
+        matcher = self._backend_once().matcher(compiled)
+        state = req.sampling_params.reasoning
+        if not state or self._reasoning_markers is None:
+            return matcher
+        if self._markers is None:
+            self._markers = self._reasoning_markers()
+        return ReasoningGate(matcher, ReasoningState(state), *self._markers)
 
     # ------------------------------------------------------------ masks
 
