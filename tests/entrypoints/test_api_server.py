@@ -99,7 +99,12 @@ def test_chat_completion(make_client, fake_engine):
     r = make_client(fake_engine).post("/v1/chat/completions", json=body)
     body = r.json()
     assert body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "syst"}
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "syst",
+        "reasoning_content": None,
+        "tool_calls": [],
+    }
     assert body["usage"]["prompt_tokens"] == len("system:S\nuser:U\nassistant:")
 
 

@@ -144,7 +144,10 @@ def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
     names = served_model_names(engine, args)
     executor = ThreadPoolExecutor(FRONT_DOOR_THREADS, thread_name_prefix="tokenos-front-door")
     completion = OpenAIServingCompletion(engine, names, executor)
-    chat = OpenAIServingChat(engine, names, executor)
+    tool_parser = (
+        getattr(args, "tool_call_parser", None) if getattr(args, "enable_auto_tool_choice", False) else None
+    )
+    chat = OpenAIServingChat(engine, names, executor, tool_call_parser=tool_parser)
     max_body = getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_REQUEST_BODY_BYTES
     _add_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from tokenos.engine.args import EngineArgs, add_engine_args, engine_kwargs
+from tokenos.tool_parsers import TOOL_PARSERS
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -24,7 +25,23 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--served-model-name", default=None, help="the model name clients use (default: MODEL's)"
     )
-    parser.add_argument("--chat-template", default=None, help="a Jinja chat template, or a file holding one")
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template, a file holding one, or a shipped one by name (chatml_tools: ChatML "
+        "with tools in the hermes format, for models whose own template has none)",
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='tool_choice "auto" (the default with tools): read tool calls out of the model\'s text',
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the format the model writes tool calls in (with --enable-auto-tool-choice)",
+    )
     parser.add_argument(
         "--max-request-body-bytes",
         type=int,
@@ -48,6 +65,8 @@ def make_parser() -> argparse.ArgumentParser:
 
 def parse_serve_args(argv: list[str] | None) -> argparse.Namespace:
     args = make_parser().parse_args(argv)
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("tokenos serve: --enable-auto-tool-choice needs --tool-call-parser NAME")
     if args.model_tag is not None and args.model is not None and args.model_tag != args.model:
         raise SystemExit(f"tokenos serve: MODEL ({args.model_tag}) and --model ({args.model}) disagree")
     args.model = args.model_tag or args.model

@@ -7,23 +7,31 @@ The server answers every violation with 400 and an OpenAI-style body (`ErrorResp
 `to_sampling_params()` is the one place a request becomes engine parameters; the front door
 (`tokenos.engine.input_processor`) then checks it against the model.
 Unknown fields are ignored (clients send extras), as vLLM does, EXCEPT fields that name a feature
-tokenos does not implement yet (tools, logits processors, best_of > n, ...): those are refused with
+tokenos does not implement yet (logits processors, best_of > n, ...): those are refused with
 400 (`reject_unsupported`), because ignoring them would silently change what the client gets.
 Structured output (``response_format``, ``structured_outputs``, ``guided_*``) becomes a
-`StructuredOutputsParams` (`structured_outputs()`).
+`StructuredOutputsParams` (`structured_outputs()`), and so does a forced ``tool_choice``
+(`tokenos.entrypoints.openai.tool_choice`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 from tokenos.core.messages import StructuredSpec
 from tokenos.core.validation import INT64_MAX, INT64_MIN, InvalidRequestError
+from tokenos.entrypoints.openai.tool_choice import (
+    ToolChoiceError,
+    forced_schema,
+    is_forced,
+    resolve_tool_choice,
+)
 from tokenos.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from tokenos.structured.backend import GrammarError, check_grammar
 
@@ -185,10 +193,8 @@ _UNSUPPORTED_SAMPLING = {
     "truncate_prompt_tokens": (_unset, "truncate_prompt_tokens is not supported yet"),
 }
 _UNSUPPORTED_CHAT = {
-    "tools": (_no_tools, "tool calling (tools) is not supported yet"),
-    "tool_choice": (_no_tool_choice, "tool calling (tool_choice) is not supported yet"),
-    "functions": (_no_tools, "function calling is not supported yet"),
-    "function_call": (_no_tool_choice, "function calling is not supported yet"),
+    "functions": (_no_tools, "functions is deprecated and not supported: use tools"),
+    "function_call": (_no_tool_choice, "function_call is deprecated and not supported: use tool_choice"),
     "documents": (_unset, "documents are not supported yet"),
     "continue_final_message": (lambda v: not v, "continue_final_message is not supported yet"),
 }
@@ -354,6 +360,30 @@ class CompletionRequest(SamplingFields):
         return prompts
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+
+
+class FunctionDefinition(StrictModel):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(StrictModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class TextContentPart(StrictModel):
     type: Literal["text"]
     text: str
@@ -371,7 +401,22 @@ class ChatMessage(StrictModel):
             message["content"] = "".join(part.text for part in self.content)
         elif self.content is None:
             message["content"] = ""
+        if isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [_template_tool_call(call) for call in message["tool_calls"]]
         return message
+
+
+def _template_tool_call(call: Any) -> Any:
+    """An assistant's earlier call as templates read it: OpenAI sends the arguments as JSON text,
+    templates write them with ``tojson``, so they get the object (as vLLM does)."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            return call
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -385,9 +430,48 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    include_reasoning: bool = True  # vLLM's: False drops reasoning_content from the response
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template_dict() for m in self.messages]
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
+    def resolved_tool_choice(self) -> str | None:
+        """ "none" / "auto" / "required" / the forced function's name; None without tools (400 when
+        the combination is invalid)."""
+        choice = (
+            self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) else self.tool_choice
+        )
+        try:
+            return resolve_tool_choice(self.tool_dicts(), choice)
+        except ToolChoiceError as e:
+            raise OpenAIError(str(e), param=e.param) from e
+
+    def structured_outputs(self) -> StructuredOutputsParams | None:
+        """A forced tool choice is a grammar too: it cannot be combined with another one."""
+        params = super().structured_outputs()
+        choice = self.resolved_tool_choice()
+        if not is_forced(choice):
+            return params
+        if params is not None:
+            raise OpenAIError(
+                f"tool_choice {choice!r} forces a tool call: it cannot be combined with a structured-output "
+                "field (response_format, structured_outputs, guided_*).",
+                param="tool_choice",
+            )
+        schema = forced_schema(self.tool_dicts(), choice, self.parallel_tool_calls)
+        try:
+            # Compact JSON: arguments are JSON text anyway, and a call cannot wander off into whitespace.
+            params = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+            check_grammar(StructuredSpec(*params.spec()))
+        except (InvalidRequestError, GrammarError) as e:
+            raise OpenAIError(f"The tools' parameter schemas do not compile: {e}", param="tools") from e
+        return params
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -472,9 +556,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -494,9 +591,32 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class DeltaMessage(BaseModel):
+class _OmitNone(BaseModel):
+    """Serialized without its None fields: clients merge deltas key by key, and a null ``type`` or
+    ``id`` in a later fragment would overwrite the first fragment's (the openai client does)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_none(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaFunctionCall(_OmitNone):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_OmitNone):
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: DeltaFunctionCall
+
+
+class DeltaMessage(_OmitNone):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

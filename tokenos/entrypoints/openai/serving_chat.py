@@ -1,19 +1,24 @@
-"""POST /v1/chat/completions: messages -> chat template -> one prompt, n samples.
+"""POST /v1/chat/completions: messages (and tools) -> chat template -> one prompt, n samples.
 
 The front door renders the conversation (`InputProcessor.render_chat`): the request's
 `chat_template`, else the server's `--chat-template`, else the tokenizer's own; the rendered text is
-tokenized without adding special tokens (the template writes its own BOS). Streaming sends, per choice,
-a first chunk with the assistant role, then content deltas, then one with the finish reason; usage
-comes last when asked for.
+tokenized without adding special tokens (the template writes its own BOS). Tools reach the template
+(a template that does not read them is refused unless tool_choice is "none"). Each choice's text is
+read by a `ChoiceReader`: reasoning (``--reasoning-parser``), then tool calls (`tool_choice`: "auto"
+through ``--tool-call-parser``, "required" and named functions forced by a grammar). Streaming sends,
+per choice, a first chunk with the assistant role, then reasoning / content / tool-call deltas, then
+one with the finish reason ("tool_calls" when the model called tools); usage comes last when asked for.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor
 from typing import Any
 
 from tokenos.engine.input_processor import Prompt
+from tokenos.entrypoints.openai.chat_output import ChoiceDelta, ChoiceReader, tool_call_id
 from tokenos.entrypoints.openai.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -22,10 +27,15 @@ from tokenos.entrypoints.openai.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatStreamChoice,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    NamedToolChoice,
     OpenAIError,
     TokenizeRequest,
     TokenLogprob,
+    ToolCall,
     TopLogprob,
     random_id,
 )
@@ -39,21 +49,50 @@ from tokenos.entrypoints.openai.serving_engine import (
     merge_outputs,
     sse,
 )
+from tokenos.entrypoints.openai.tool_choice import is_forced, template_renders_tools
+from tokenos.reasoning import ReasoningState
+from tokenos.tool_parsers import NamedToolParser, RequiredToolsParser, ToolParser, get_tool_parser
 
 
 class OpenAIServingChat(OpenAIServing):
-    def render_prompt(self, request: ChatCompletionRequest | TokenizeRequest) -> Prompt:
+    def __init__(
+        self,
+        engine: Any,
+        served_model_names: list[str],
+        executor: Executor | None = None,
+        tool_call_parser: str | None = None,
+    ) -> None:
+        """``tool_call_parser`` (with ``--enable-auto-tool-choice``) reads tool_choice "auto" calls."""
+        super().__init__(engine, served_model_names, executor)
+        self.tool_parser_cls = get_tool_parser(tool_call_parser) if tool_call_parser else None
+
+    def render_prompt(
+        self, request: ChatCompletionRequest | TokenizeRequest, tools: list[dict[str, Any]] | None = None
+    ) -> Prompt:
         """The templated conversation (text and ids); 400 when the template cannot render it."""
+        kwargs = dict(request.chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
         return self.input_processor.render_chat(
             request.template_messages(),
             chat_template=request.chat_template,
             add_generation_prompt=request.add_generation_prompt,
-            **(request.chat_template_kwargs or {}),
+            **kwargs,
         )
 
     def _prepare_prompt(self, request: ChatCompletionRequest, max_tokens: int | None) -> Prompt:
         """The rendered, tokenized, checked conversation (in a worker thread)."""
-        prompt = self.render_prompt(request)
+        tools = request.tool_dicts()
+        if tools and request.resolved_tool_choice() != "none":
+            template = self.input_processor.active_chat_template(request.chat_template)
+            if not template_renders_tools(template):
+                raise OpenAIError(
+                    "The chat template does not render tools, so the model would never see them. Start "
+                    "the server with --chat-template FILE (tokenos ships `--chat-template chatml_tools` "
+                    "for ChatML models) or send chat_template with the request.",
+                    param="tools",
+                )
+        prompt = self.render_prompt(request, tools)
         self.input_processor.check_prompt(prompt.token_ids, "messages")
         self.input_processor.check_context(len(prompt.token_ids), max_tokens)
         return prompt
@@ -65,6 +104,7 @@ class OpenAIServingChat(OpenAIServing):
         model = self.check_model(request.model)
         self.check_engine()
         params = request.to_sampling_params()
+        tool_parser = self._tool_parser(request)
         self.input_processor.check_params(params)
         prompt = await self.off_loop(self._prepare_prompt, request, params.max_tokens)
         request_id = random_id("chatcmpl")
@@ -76,9 +116,33 @@ class OpenAIServingChat(OpenAIServing):
             raise engine_error(e) from e
         is_disconnected = raw_request.is_disconnected if raw_request is not None else None
         run = _ChatRun(request_id, model, request, len(prompt.token_ids))
+        reasoning = self.input_processor.reasoning_parser
+        state = reasoning.initial_state(prompt.text) if reasoning is not None else ReasoningState.ENDED
+        max_calls = None if request.parallel_tool_calls else 1
+        run.new_reader = lambda: ChoiceReader(reasoning, state, tool_parser, max_calls)
         if request.stream:
             return self._stream(run, generator, is_disconnected)
         return await self._complete(run, generator, is_disconnected)
+
+    def _tool_parser(self, request: ChatCompletionRequest) -> ToolParser | None:
+        """The parser reading this request's tool calls (None: plain text); 400 for "auto" on a server
+        started without ``--enable-auto-tool-choice --tool-call-parser``."""
+        choice = request.resolved_tool_choice()
+        if choice in (None, "none"):
+            return None
+        tools = request.tool_dicts()
+        if choice == "required":
+            return RequiredToolsParser(tools)
+        if is_forced(choice):
+            return NamedToolParser(tools, function_name=choice)
+        if self.tool_parser_cls is None:
+            raise OpenAIError(
+                '"auto" tool choice (the default with tools) requires the server to be started with '
+                '--enable-auto-tool-choice and --tool-call-parser; or send tool_choice "required", '
+                '"none" or a named function.',
+                param="tool_choice" if request.tool_choice is not None else "tools",
+            )
+        return self.tool_parser_cls(tools)
 
     async def _complete(self, run: _ChatRun, generator: Any, is_disconnected) -> ChatCompletionResponse:
         final = None
@@ -95,12 +159,22 @@ class OpenAIServingChat(OpenAIServing):
             raise OpenAIError("The engine ended the request without an output.", status=500)
         choices = []
         for sample in sorted(final.outputs, key=lambda s: s.index):
+            read = run.new_reader().read(sample.text)
+            calls = [
+                ToolCall(id=tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
+                for c in read.calls
+            ]
+            message = AssistantMessage(
+                content=read.content,
+                reasoning_content=read.reasoning if run.request.include_reasoning else None,
+                tool_calls=calls,
+            )
             choices.append(
                 ChatChoice(
                     index=sample.index,
-                    message=AssistantMessage(content=sample.text),
+                    message=message,
                     logprobs=self._logprobs(run, sample),
-                    finish_reason=sample.finish_reason,
+                    finish_reason=run.finish_reason(sample.finish_reason, bool(calls)),
                     stop_reason=sample.stop_reason,
                 )
             )
@@ -126,13 +200,18 @@ class OpenAIServingChat(OpenAIServing):
                             )
                         )
                     run.completion_tokens += len(sample.token_ids)
-                    if not sample.text and sample.finish_reason is None:
+                    done = sample.finish_reason is not None
+                    delta = run.reader(sample.index).feed(sample.text or "", final=done)
+                    logprobs = self._logprobs(run, sample)
+                    if not delta and not done and logprobs is None:
                         continue
                     choice = ChatStreamChoice(
                         index=sample.index,
-                        delta=DeltaMessage(content=sample.text or None),
-                        logprobs=self._logprobs(run, sample),
-                        finish_reason=sample.finish_reason,
+                        delta=run.delta_message(sample.index, delta),
+                        logprobs=logprobs,
+                        finish_reason=run.finish_reason(sample.finish_reason, run.called(sample.index))
+                        if done
+                        else None,
                         stop_reason=sample.stop_reason,
                     )
                     chunk = run.chunk(choice)
@@ -184,6 +263,43 @@ class _ChatRun:
         self.created = int(time.time())
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.new_reader: Callable[[], ChoiceReader] = lambda: ChoiceReader(None, ReasoningState.ENDED, None)
+        self._readers: dict[int, ChoiceReader] = {}
+        self._call_ids: dict[int, dict[int, str]] = {}  # choice -> call index -> its id
+
+    def reader(self, index: int) -> ChoiceReader:
+        if index not in self._readers:
+            self._readers[index] = self.new_reader()
+        return self._readers[index]
+
+    def called(self, index: int) -> bool:
+        return bool(self._call_ids.get(index))
+
+    def finish_reason(self, reason: str | None, called: bool) -> str | None:
+        """ "tool_calls" for a choice that ended by calling tools (OpenAI keeps "stop" when one function
+        was forced by name)."""
+        forced_by_name = isinstance(self.request.tool_choice, NamedToolChoice)
+        return "tool_calls" if reason == "stop" and called and not forced_by_name else reason
+
+    def delta_message(self, index: int, delta: ChoiceDelta) -> DeltaMessage:
+        ids = self._call_ids.setdefault(index, {})
+        calls = []
+        for call in delta.calls:
+            first = call.index not in ids
+            if first:
+                ids[call.index] = tool_call_id()
+            calls.append(
+                DeltaToolCall(
+                    index=call.index,
+                    id=ids[call.index] if first else None,
+                    type="function" if first else None,
+                    function=DeltaFunctionCall(name=call.name if first else None, arguments=call.arguments),
+                )
+            )
+        reasoning = delta.reasoning if self.request.include_reasoning else ""
+        return DeltaMessage(
+            content=delta.content or None, reasoning_content=reasoning or None, tool_calls=calls or None
+        )
 
     def chunk(self, choice: ChatStreamChoice) -> ChatCompletionChunk:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
