@@ -74,10 +74,10 @@ def check_call(call) -> None:
 
 def test_required_always_calls_valid_tools(client):
     completion = client.chat.completions.create(
-        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", n=16, temperature=1.0, seed=3,
+        model="tiny", messages=ASK, tools=TOOLS, tool_choice="required", n=64, temperature=1.0, seed=3,
         max_completion_tokens=150,
     )  # fmt: skip
-    assert len(completion.choices) == 16
+    assert len(completion.choices) == 64
     for choice in completion.choices:
         assert choice.finish_reason == "tool_calls", choice
         assert choice.message.tool_calls and choice.message.content is None
