@@ -17,6 +17,7 @@ With a reasoning parser, a request whose output starts in its thinking gets its 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +53,7 @@ class StructuredOutputManager:
         self._reasoning_markers = reasoning_markers
         self._markers: tuple[list[int], list[int]] | None = None
         self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="tokenos-grammar")
@@ -62,8 +64,10 @@ class StructuredOutputManager:
     # ------------------------------------------------------------ compiling
 
     def _backend_once(self) -> GrammarBackend:
-        if self._backend is None:
-            self._backend = self._make_backend()
+        # Two compile threads may ask at once; the backend (a tokenizer's worth of tables) is built once.
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = self._make_backend()
         return self._backend
 
     def _compiled(self, spec: StructuredSpec) -> Future:
