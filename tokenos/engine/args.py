@@ -51,6 +51,8 @@ class EngineArgs:
     # Reasoning models: the parser naming their thinking markers (tokenos.reasoning); structured output
     # then constrains only the answer, and the chat server returns the thinking as reasoning_content.
     reasoning_parser: str | None = None
+    # The grammar backend of structured output: "auto" / "guidance" (llguidance) or "xgrammar".
+    structured_outputs_backend: str = "auto"
     # Serving: requests (samples) that may wait beyond the max_num_seqs running; more get 429.
     max_waiting_requests: int = 1024
 
@@ -63,9 +65,11 @@ class EngineArgs:
         from tokenos.config import CacheConfig, SchedulerConfig
         from tokenos.models.config import load_model_config
         from tokenos.reasoning import get_reasoning_parser
+        from tokenos.structured.backend import check_backend_available
 
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)  # ValueError naming the known parsers
+        check_backend_available(self.structured_outputs_backend)
         model_config = load_model_config(self.model, dtype=self.dtype, max_model_len=self.max_model_len)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -115,6 +119,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--structured-outputs-backend",
+        "--guided-decoding-backend",
+        dest="structured_outputs_backend",
+        choices=("auto", "guidance", "llguidance", "xgrammar"),
+        default=None,
+        help="the grammar backend of structured output (default: llguidance; xgrammar needs its package)",
+    )
     parser.add_argument(
         "--reasoning-parser",
         default=None,

@@ -52,6 +52,7 @@ class AsyncLLM:
             self.model_config,
             engine_args.chat_template,
             reasoning_parser=engine_args.reasoning_parser,
+            structured_backend=engine_args.structured_outputs_backend,
         )
         self.metrics = metrics
         # Samples in flight (running or waiting in the core); beyond max_in_flight a request is refused.

@@ -19,7 +19,7 @@ from tokenos.core.sched.scheduler import Scheduler
 from tokenos.core.validation import check_prompt_tokens, check_sampling_for_model, check_sampling_values
 from tokenos.engine.args import EngineArgs, model_name
 from tokenos.reasoning import get_reasoning_parser
-from tokenos.structured.backend import LLGuidanceBackend
+from tokenos.structured.backend import GrammarBackend, make_backend
 from tokenos.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
@@ -139,11 +139,14 @@ class EngineCore:
             tokenizer.encode(parser.end, add_special_tokens=False),
         )
 
-    def _grammar_backend(self) -> LLGuidanceBackend:
+    def _grammar_backend(self) -> GrammarBackend:
         tokenizer = self._tokenizer()
         eos = list(self.model_config.eos_token_ids) or [tokenizer.eos_token_id]
-        return LLGuidanceBackend(
-            tokenizer.hf, self.model_config.vocab_size, [t for t in eos if t is not None]
+        return make_backend(
+            self.args.structured_outputs_backend,
+            tokenizer.hf,
+            self.model_config.vocab_size,
+            [t for t in eos if t is not None],
         )
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:

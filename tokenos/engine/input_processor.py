@@ -36,7 +36,7 @@ from tokenos.core.validation import (
 )
 from tokenos.reasoning import get_reasoning_parser
 from tokenos.sampling_params import RequestOutputKind, SamplingParams
-from tokenos.structured.backend import GrammarError, check_grammar
+from tokenos.structured.backend import GrammarError, backend_name, check_grammar
 
 
 @dataclass(frozen=True)
@@ -136,13 +136,16 @@ class InputProcessor:
         chat_template: str | None = None,
         max_logprobs: int = 20,
         reasoning_parser: str | None = None,
+        structured_backend: str | None = None,
     ) -> None:
         """``tokenizer`` may be None (``skip_tokenizer_init``: token-id prompts only); ``model_config``
         gives ``max_model_len``, ``vocab_size`` and ``eos_token_ids``; ``max_logprobs`` caps the top-n
         logprobs a request may ask for (vLLM's default, 20); ``reasoning_parser`` names the thinking
-        markers of a reasoning model (`tokenos.reasoning`)."""
+        markers of a reasoning model (`tokenos.reasoning`); ``structured_backend`` the grammar backend the
+        engine compiles with (grammars are checked against it)."""
         self.tokenizer = tokenizer
         self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        self.structured_backend = backend_name(structured_backend)
         self.max_logprobs = max_logprobs
         self.max_model_len: int = model_config.max_model_len
         self.vocab_size: int = model_config.vocab_size
@@ -250,7 +253,7 @@ class InputProcessor:
         spec = structured_spec(params)
         if spec is not None:
             try:
-                check_grammar(spec)
+                check_grammar(spec, self.structured_backend)
             except GrammarError as e:
                 raise InvalidRequestError(str(e), "structured_outputs") from None
 

@@ -40,6 +40,7 @@ class LLM:
             self.model_config,
             self.engine_args.chat_template,
             reasoning_parser=self.engine_args.reasoning_parser,
+            structured_backend=self.engine_args.structured_outputs_backend,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()

@@ -1,9 +1,10 @@
 """Grammar backends behind one small interface: compile a grammar for a tokenizer, then per request a
 matcher that fills bitmask rows, accepts tokens, rolls back, validates drafts and says when it is done.
 
-llguidance is the default (and today the only) backend: a dependency-free wheel whose `LLMatcher` has
-rollback, draft validation and forced-token queries, and whose masks cost tens of microseconds per
-token. A second backend (xgrammar) would implement the same two protocols.
+llguidance is the default: a dependency-free wheel whose `LLMatcher` has rollback, draft validation
+and forced-token queries, and whose masks cost tens of microseconds per token. xgrammar is the optional
+second (`xgrammar_backend.py`, ``--structured-outputs-backend xgrammar``); its ``grammar`` kind is EBNF
+where llguidance's is Lark.
 """
 
 from __future__ import annotations
@@ -68,10 +69,40 @@ def llguidance_grammar(spec: StructuredSpec) -> str:
     raise GrammarError(f"unknown structured output kind {spec.kind!r}")
 
 
-def check_grammar(spec: StructuredSpec) -> None:
-    """GrammarError when ``spec`` cannot compile, without a tokenizer: what the front door checks so
-    that a bad schema is a 400, not a request that fails later inside the engine."""
-    message = _grammar_error(spec)
+# The backends, by the names vLLM gives them (``auto`` and ``llguidance`` mean guidance).
+BACKENDS = ("guidance", "xgrammar")
+_ALIASES = {"auto": "guidance", "llguidance": "guidance"}
+
+
+def backend_name(name: str | None) -> str:
+    """The canonical name of a backend; ValueError for one tokenos does not have."""
+    canonical = _ALIASES.get(name or "auto", name)
+    if canonical not in BACKENDS:
+        raise ValueError(f"Unknown structured-output backend {name!r}; choose one of {list(BACKENDS)}.")
+    return canonical
+
+
+def check_backend_available(name: str | None) -> None:
+    """ValueError for an unknown backend, or one whose package is not installed."""
+    import importlib.util
+
+    package = {"guidance": "llguidance", "xgrammar": "xgrammar"}[backend_name(name)]
+    if importlib.util.find_spec(package) is None:
+        raise ValueError(f"The {name} structured-output backend needs its package: pip install {package}")
+
+
+def make_backend(name: str, hf_tokenizer: Any, vocab_size: int, eos_token_ids: list[int]) -> GrammarBackend:
+    if backend_name(name) == "xgrammar":
+        from tokenos.structured.xgrammar_backend import XGrammarBackend
+
+        return XGrammarBackend(hf_tokenizer, vocab_size, eos_token_ids)
+    return LLGuidanceBackend(hf_tokenizer, vocab_size, eos_token_ids)
+
+
+def check_grammar(spec: StructuredSpec, backend: str = "guidance") -> None:
+    """GrammarError when ``spec`` cannot compile under ``backend``, without a tokenizer: what the front
+    door checks so that a bad schema is a 400, not a request that fails later inside the engine."""
+    message = _grammar_error(spec, backend_name(backend))
     if message:
         raise GrammarError(message)
 
@@ -79,12 +110,19 @@ def check_grammar(spec: StructuredSpec) -> None:
 # An HTTP request is checked by its protocol model and twice by the front door: the verdict is kept
 # for the last few specs (a few, as a spec may be a megabyte of text).
 @functools.lru_cache(maxsize=16)
-def _grammar_error(spec: StructuredSpec) -> str | None:
+def _grammar_error(spec: StructuredSpec, backend: str) -> str | None:
+    if spec.kind == "json":
+        try:
+            json.loads(spec.text)
+        except ValueError as e:
+            return f"invalid {spec.kind} for structured output: {e}"
+    if backend == "xgrammar":
+        from tokenos.structured.xgrammar_backend import xgrammar_error
+
+        return xgrammar_error(spec)
     import llguidance
 
     try:
-        if spec.kind == "json":
-            json.loads(spec.text)
         grammar = llguidance_grammar(spec)
     except (ValueError, TypeError) as e:
         return f"invalid {spec.kind} for structured output: {e}"

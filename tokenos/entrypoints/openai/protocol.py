@@ -33,7 +33,7 @@ from tokenos.entrypoints.openai.tool_choice import (
     resolve_tool_choice,
 )
 from tokenos.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
-from tokenos.structured.backend import GrammarError, check_grammar
+from tokenos.structured.backend import GrammarError, backend_name, check_grammar
 
 # ------------------------------------------------------------------ errors
 
@@ -157,6 +157,13 @@ def _response_format(value: Any) -> dict[str, Any]:
     raise TypeError(f"response_format type {kind!r} is not supported (json_schema, json_object or text)")
 
 
+def _backend_or_none(name: Any) -> str | None:
+    try:
+        return backend_name(name) if isinstance(name, str) else None
+    except ValueError:
+        return None
+
+
 _GRAMMAR_KEYS = ("json", "json_object", "regex", "choice", "grammar")
 
 
@@ -248,15 +255,16 @@ class SamplingFields(RequestModel):
         if best_of is not None and best_of != self.n:
             raise OpenAIError("best_of other than n is not supported yet.", param="best_of")
 
-    def structured_outputs(self) -> StructuredOutputsParams | None:
+    def structured_outputs(self, backend: str = "guidance") -> StructuredOutputsParams | None:
         """The request's grammar from whichever field names it: OpenAI's ``response_format``, vLLM's
         ``structured_outputs``, or the older ``guided_json`` / ``guided_regex`` / ``guided_choice`` /
-        ``guided_grammar``; 400 when several do, or when one is malformed."""
+        ``guided_grammar``; 400 when several do, when one is malformed, or when ``backend`` (the
+        server's grammar backend) cannot compile it."""
         extra = self.model_extra or {}
-        backend = extra.get("guided_decoding_backend")
-        if backend not in (None, "auto", "guidance", "llguidance"):
+        asked = extra.get("guided_decoding_backend")
+        if asked is not None and _backend_or_none(asked) != backend:
             raise OpenAIError(
-                f"guided_decoding_backend {backend!r} is not available: tokenos uses llguidance.",
+                f"guided_decoding_backend {asked!r} is not available: this server uses {backend}.",
                 param="guided_decoding_backend",
             )
         found = {name: value for name in _STRUCTURED_FIELDS if (value := extra.get(name)) is not None}
@@ -280,18 +288,19 @@ class SamplingFields(RequestModel):
         ((name, value),) = found.items()
         try:
             params = StructuredOutputsParams(**{**_STRUCTURED_FIELDS[name](value), **options})
-            check_grammar(StructuredSpec(*params.spec()))
+            check_grammar(StructuredSpec(*params.spec()), backend)
         except InvalidRequestError as e:
             raise OpenAIError(e.message, param=name) from e
         except (TypeError, GrammarError) as e:
             raise OpenAIError(f"Malformed {name}: {e}", param=name) from e
         return params
 
-    def to_sampling_params(self) -> SamplingParams:
-        """Engine parameters for this request (max_tokens None: up to the context length)."""
+    def to_sampling_params(self, structured_backend: str = "guidance") -> SamplingParams:
+        """Engine parameters for this request (max_tokens None: up to the context length); grammars are
+        checked against ``structured_backend``."""
         self.reject_unsupported()
         max_tokens = self.requested_max_tokens()
-        structured = self.structured_outputs()
+        structured = self.structured_outputs(structured_backend)
         try:
             return SamplingParams(
                 n=self.n,
@@ -452,9 +461,9 @@ class ChatCompletionRequest(SamplingFields):
         except ToolChoiceError as e:
             raise OpenAIError(str(e), param=e.param) from e
 
-    def structured_outputs(self) -> StructuredOutputsParams | None:
+    def structured_outputs(self, backend: str = "guidance") -> StructuredOutputsParams | None:
         """A forced tool choice is a grammar too: it cannot be combined with another one."""
-        params = super().structured_outputs()
+        params = super().structured_outputs(backend)
         choice = self.resolved_tool_choice()
         if not is_forced(choice):
             return params
@@ -468,7 +477,7 @@ class ChatCompletionRequest(SamplingFields):
         try:
             # Compact JSON: arguments are JSON text anyway, and a call cannot wander off into whitespace.
             params = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
-            check_grammar(StructuredSpec(*params.spec()))
+            check_grammar(StructuredSpec(*params.spec()), backend)
         except (InvalidRequestError, GrammarError) as e:
             raise OpenAIError(f"The tools' parameter schemas do not compile: {e}", param="tools") from e
         return params

@@ -103,7 +103,7 @@ class OpenAIServingChat(OpenAIServing):
         """The response, or (stream=true) an iterator of SSE lines; raises OpenAIError."""
         model = self.check_model(request.model)
         self.check_engine()
-        params = request.to_sampling_params()
+        params = request.to_sampling_params(self.input_processor.structured_backend)
         tool_parser = self._tool_parser(request)
         self.input_processor.check_params(params)
         prompt = await self.off_loop(self._prepare_prompt, request, params.max_tokens)
