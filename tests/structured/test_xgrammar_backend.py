@@ -111,3 +111,22 @@ def test_a_request_may_name_only_the_servers_backend():
     assert request.to_sampling_params("xgrammar").structured_outputs.regex == "[0-9]+"
     with pytest.raises(OpenAIError, match="this server uses guidance"):
         request.to_sampling_params("guidance")
+
+
+def test_terminated_when_only_a_stop_token_is_left():
+    """As llguidance: `[a-z]+` goes on after a letter (it could end, but need not); a choice ends on its
+    last token."""
+    from tokenos.engine.tokenizer import load_tokenizer
+    from tokenos.structured.xgrammar_backend import XGrammarBackend
+
+    tokenizer = load_tokenizer(None)
+    backend = XGrammarBackend(tokenizer.hf, 49152, [2])
+    letters = backend.matcher(backend.compile(StructuredSpec("regex", "[a-z]+")))
+    for token in tokenizer.encode("abc", add_special_tokens=False):
+        assert letters.accept(token) and not letters.is_terminated()
+    assert letters.accept(2) and letters.is_terminated()  # the stop token ends it
+    choice = backend.matcher(backend.compile(StructuredSpec("choice", '["yes"]')))
+    tokens = tokenizer.encode("yes", add_special_tokens=False)
+    for token in tokens[:-1]:
+        assert choice.accept(token) and not choice.is_terminated()
+    assert choice.accept(tokens[-1]) and choice.is_terminated()

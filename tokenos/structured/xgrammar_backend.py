@@ -4,8 +4,9 @@ protocols as llguidance (`tokenos.structured.backend`).
 The spec kinds map to xgrammar's compilers: a JSON schema (its llguidance ``x-guidance`` whitespace
 option becomes ``any_whitespace``), a regex, a choice (an EBNF alternation of JSON-escaped literals) and
 a grammar, which for this backend is EBNF (GBNF), as vLLM's xgrammar backend takes it (llguidance takes
-Lark). A matcher terminates once its grammar admits nothing more, as llguidance's does, so both stop a
-request on the same token. Draft validation is accept-then-rollback (xgrammar has no dry run).
+Lark). A matcher terminates once its grammar admits nothing but a stop token, as llguidance's does, so
+both stop a request on the same token. Draft validation is accept-then-rollback (xgrammar has no dry
+run).
 """
 
 from __future__ import annotations
@@ -89,20 +90,40 @@ def _reason(error: Exception) -> str:
 
 
 class XGrammarMatcher:
-    def __init__(self, matcher: Any) -> None:
+    """xgrammar's matcher, terminated as llguidance's is: when the grammar admits nothing but a stop
+    token (xgrammar itself terminates only on the stop token, or, asked to terminate without one, as soon
+    as the grammar could end, which would cut ``[a-z]+`` after one letter). Whether anything but a stop
+    token is left is read off the next mask, which is kept for the next step."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
         import torch
 
         self._m = matcher
         self._torch = torch
+        self._stop = list(matcher.stop_token_ids)
+        self._next = np.zeros((1, (vocab_size + 31) // 32), dtype=np.int32)
+        self._next_valid = False
+        self._done = False
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
-        self._m.fill_next_token_bitmask(self._torch.from_numpy(bitmask), row)
+        if self._next_valid:
+            bitmask[row] = self._next[0]
+        else:
+            self._m.fill_next_token_bitmask(self._torch.from_numpy(bitmask), row)
 
     def accept(self, token_id: int) -> bool:
-        return bool(self._m.accept_token(token_id))
+        self._next_valid = False
+        if self._done or not self._m.accept_token(token_id):
+            return False
+        if self._m.is_completed() and not self._m.is_terminated():
+            self._m.fill_next_token_bitmask(self._torch.from_numpy(self._next), 0)
+            self._next_valid = True
+            self._done = not _allows_other_than(self._next[0], self._stop)
+        return True
 
     def rollback(self, num_tokens: int) -> None:
         self._m.rollback(num_tokens)
+        self._next_valid = self._done = False
 
     def validate(self, token_ids: list[int]) -> int:
         accepted = 0
@@ -115,10 +136,19 @@ class XGrammarMatcher:
         return accepted
 
     def is_terminated(self) -> bool:
-        return bool(self._m.is_terminated())
+        return self._done or bool(self._m.is_terminated())
 
     def error(self) -> str | None:
         return None
+
+
+def _allows_other_than(row: np.ndarray, stop_ids: list[int]) -> bool:
+    """Whether a mask row allows any token outside ``stop_ids``."""
+    words = row.copy()
+    for token in stop_ids:
+        if (token >> 5) < words.size:
+            words[token >> 5] &= ~np.int32(np.uint32(1 << (token & 31)).view(np.int32))
+    return bool(words.any())
 
 
 class XGrammarBackend:
@@ -142,4 +172,4 @@ class XGrammarBackend:
     def matcher(self, compiled: Any) -> Matcher:
         import xgrammar
 
-        return XGrammarMatcher(xgrammar.GrammarMatcher(compiled, terminate_without_stop_token=True))
+        return XGrammarMatcher(xgrammar.GrammarMatcher(compiled), self.vocab_size)
