@@ -31,7 +31,14 @@ def test_completion_text_prompt(make_client, fake_engine):
     body = r.json()
     assert body["object"] == "text_completion" and body["model"] == "fake-model"
     assert body["choices"] == [
-        {"index": 0, "text": "hel", "logprobs": None, "finish_reason": "length", "stop_reason": None}
+        {
+            "index": 0,
+            "text": "hel",
+            "logprobs": None,
+            "finish_reason": "length",
+            "stop_reason": None,
+            "prompt_logprobs": None,
+        }
     ]
     assert body["usage"]["prompt_tokens"] == 5 and body["usage"]["completion_tokens"] == 3
     assert body["usage"]["total_tokens"] == 8
@@ -55,9 +62,13 @@ def test_completion_echo_and_logprobs(make_client, fake_engine):
     )
     choice = r.json()["choices"][0]
     assert choice["text"] == "abab"
-    assert choice["logprobs"]["tokens"] == ["a", "b"]
-    assert choice["logprobs"]["token_logprobs"] == [-0.5, -0.5]
-    assert choice["logprobs"]["top_logprobs"][0] == {"a": -0.5, "b": -2.0}
+    # echo with logprobs scores the prompt too (the fake engine has no prompt scores: None; the real
+    # engine's are compared with transformers in test_server_logprobs)
+    assert fake_engine.calls[0]["params"].prompt_logprobs == 1
+    assert choice["logprobs"]["tokens"] == ["a", "b", "a", "b"]
+    assert choice["logprobs"]["token_logprobs"] == [None, None, -0.5, -0.5]
+    assert choice["logprobs"]["text_offset"] == [0, 1, 2, 3]
+    assert choice["logprobs"]["top_logprobs"][2] == {"a": -0.5, "b": -2.0}
 
 
 def test_sampling_fields_reach_the_engine(make_client, fake_engine):

@@ -24,7 +24,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"prompt": []}, 400, "prompt"),
     ("/v1/completions", {"prompt": [1, 5000]}, 400, "prompt"),
-    ("/v1/completions", {"max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"max_tokens": -3}, 400, "max_tokens"),
     ("/v1/completions", {"n": 0}, 400, "n"),
     ("/v1/completions", {"temperature": -0.1}, 400, "temperature"),
@@ -91,7 +91,7 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"tool_choice": "required"}, 400, "tool_choice"),
     ("/v1/completions", {"best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"logits_processors": ["x"]}, 400, "logits_processors"),
-    ("/v1/completions", {"prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    ("/v1/completions", {"prompt_logprobs": -1}, 400, "prompt_logprobs"),
 ]
 
 

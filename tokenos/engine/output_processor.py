@@ -147,7 +147,9 @@ class OutputProcessor:
     ) -> bool:
         if out.num_cached_tokens:
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
-        if out.prompt_logprobs is not None:
+        # The prompt is the parent's: its logprobs come from sample 0 (siblings fork from it, or, when the
+        # fork cannot happen, compute the same prompt again).
+        if out.prompt_logprobs is not None and sample.index == 0:
             parent.prompt_logprobs = (parent.prompt_logprobs or []) + [
                 self._logprob_dict(lp) if lp is not None else None for lp in out.prompt_logprobs
             ]

@@ -76,6 +76,28 @@ def test_n_greater_than_one_shares_prompt(tiny_llama):
 
 
 @pytest.mark.slow
+def test_prompt_logprobs_match_transformers_and_come_once_for_n_samples(tiny_llama):
+    """Every prompt token scored (the first None), as transformers scores it; with n > 1 the prompt is
+    the request's, scored once, not once per sample."""
+    import torch
+
+    folder, ref = tiny_llama
+    (prompt,) = random_prompts(1, 30, 31, seed=7)
+    llm = make_llm(folder, max_num_batched_tokens=8)  # the prompt's scores arrive over four chunks
+    for n in (1, 3):
+        (out,) = llm.generate(
+            [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, n=n, prompt_logprobs=0)
+        )
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        with torch.no_grad():
+            want = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), -1)
+        for p in range(1, len(prompt)):
+            assert out.prompt_logprobs[p][prompt[p]].logprob == pytest.approx(
+                want[p - 1, prompt[p]].item(), abs=1e-3
+            )
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "family,overrides",
     [

@@ -196,7 +196,6 @@ _UNSUPPORTED_SAMPLING = {
     "logits_processors": (_unset, "logits_processors are not supported"),
     "allowed_token_ids": (_unset, "allowed_token_ids is not supported yet"),
     "bad_words": (_unset, "bad_words is not supported yet"),
-    "prompt_logprobs": (_unset, "prompt_logprobs over HTTP is not supported yet"),
     "truncate_prompt_tokens": (_unset, "truncate_prompt_tokens is not supported yet"),
 }
 _UNSUPPORTED_CHAT = {
@@ -238,9 +237,14 @@ class SamplingFields(RequestModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # vLLM's: the top-n logprobs of every prompt token (the first has none), returned as prompt_logprobs.
+    prompt_logprobs: Annotated[int | None, Field(ge=0)] = None
 
     def requested_max_tokens(self) -> int | None:
         raise NotImplementedError
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     def _num_logprobs(self) -> int | None:
         raise NotImplementedError
@@ -320,6 +324,7 @@ class SamplingFields(RequestModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos,
                 logprobs=self._num_logprobs(),
+                prompt_logprobs=self.num_prompt_logprobs(),
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
@@ -347,12 +352,19 @@ class SamplingFields(RequestModel):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: MaxTokens = 16
+    # 0 (with echo: the prompt alone, as OpenAI's legacy API and vLLM allow) runs one token and drops it.
+    max_tokens: Annotated[int | None, Field(ge=0)] = 16
     logprobs: Annotated[int | None, Field(ge=0, le=20)] = None
     echo: bool = False
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_tokens
+        return max(self.max_tokens, 1) if self.max_tokens is not None else None
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Echoing with logprobs scores the prompt too (what lm-eval's loglikelihood reads)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def _num_logprobs(self) -> int | None:
         return self.logprobs
@@ -534,12 +546,23 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: per prompt token (None for the first), token id -> its logprob.
+PromptLogprobsField = list[dict[int, PromptLogprob] | None] | None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class CompletionResponse(BaseModel):
@@ -598,6 +621,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobsField = None
 
 
 class _OmitNone(BaseModel):
@@ -643,6 +667,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_logprobs: PromptLogprobsField = None  # on the first chunk with a token, when asked for
 
 
 class ModelCard(BaseModel):

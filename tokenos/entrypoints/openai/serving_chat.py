@@ -47,6 +47,7 @@ from tokenos.entrypoints.openai.serving_engine import (
     engine_error,
     make_usage,
     merge_outputs,
+    prompt_logprobs_field,
     sse,
 )
 from tokenos.entrypoints.openai.tool_choice import is_forced, template_renders_tools
@@ -180,13 +181,22 @@ class OpenAIServingChat(OpenAIServing):
             )
             run.completion_tokens += len(sample.token_ids)
         run.cached_tokens = final.num_cached_tokens
+        prompt_logprobs = None
+        if run.request.prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs_field(final.prompt_logprobs)
         return ChatCompletionResponse(
-            id=run.id, created=run.created, model=run.model, choices=choices, usage=run.usage()
+            id=run.id,
+            created=run.created,
+            model=run.model,
+            choices=choices,
+            usage=run.usage(),
+            prompt_logprobs=prompt_logprobs,
         )
 
     async def _stream(self, run: _ChatRun, generator: Any, is_disconnected) -> AsyncIterator[str]:
         started: set[int] = set()
         finished = False
+        sent_prompt_logprobs = False
         try:
             async for _, out in merge_outputs([generator], is_disconnected):
                 for sample in out.outputs:
@@ -215,6 +225,13 @@ class OpenAIServingChat(OpenAIServing):
                         stop_reason=sample.stop_reason,
                     )
                     chunk = run.chunk(choice)
+                    if (
+                        run.request.prompt_logprobs is not None
+                        and not sent_prompt_logprobs
+                        and sample.token_ids
+                    ):
+                        sent_prompt_logprobs = True  # the prompt is all scored once a token is out
+                        chunk.prompt_logprobs = prompt_logprobs_field(out.prompt_logprobs)
                     if run.request.stream_options and run.request.stream_options.continuous_usage_stats:
                         chunk.usage = run.usage()
                     yield sse(chunk)

@@ -8,6 +8,7 @@ engine for final outputs only; streaming ones for deltas, sent as SSE chunks.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +29,7 @@ from tokenos.entrypoints.openai.serving_engine import (
     engine_error,
     make_usage,
     merge_outputs,
+    prompt_logprobs_field,
     sse,
 )
 from tokenos.sampling_params import SamplingParams
@@ -93,8 +95,9 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = []
         for i, out in sorted(finals.items()):
             for sample in out.outputs:
+                sample = run.shown(sample)
                 text = run.prompt_text(i) + sample.text if run.request.echo else sample.text
-                choices.append(self._choice(run, i, sample, text))
+                choices.append(self._choice(run, i, sample, text, out, first=True))
                 run.completion_tokens += len(sample.token_ids)
             run.cached_tokens += out.num_cached_tokens
         choices.sort(key=lambda c: c.index)
@@ -103,15 +106,19 @@ class OpenAIServingCompletion(OpenAIServing):
         )
 
     async def _stream(self, run: _Run, generators: list, is_disconnected) -> AsyncIterator[str]:
-        echoed: set[int] = set()
+        started: set[int] = set()  # choices whose first token has been sent
         try:
             async for i, out in merge_outputs(generators, is_disconnected):
                 for sample in out.outputs:
+                    sample = run.shown(sample)
                     index = i * run.n + sample.index
                     text = sample.text
-                    if run.request.echo and index not in echoed:
-                        echoed.add(index)
-                        text = run.prompt_text(i) + text
+                    # The prompt (echo, its logprobs) goes with the first token: by then it is all scored.
+                    first = index not in started and bool(sample.token_ids or sample.finish_reason)
+                    if first:
+                        started.add(index)
+                        if run.request.echo:
+                            text = run.prompt_text(i) + text
                     run.completion_tokens += len(sample.token_ids)
                     if not text and not sample.token_ids and sample.finish_reason is None:
                         continue
@@ -119,7 +126,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         id=run.id,
                         created=run.created,
                         model=run.model,
-                        choices=[self._choice(run, i, sample, text)],
+                        choices=[self._choice(run, i, sample, text, out, first=first)],
                     )
                     if run.request.stream_options and run.request.stream_options.continuous_usage_stats:
                         chunk.usage = run.usage()
@@ -141,25 +148,47 @@ class OpenAIServingCompletion(OpenAIServing):
             await self.abort_unfinished(run.request_ids, run.finished)
         yield SSE_DONE
 
-    def _choice(self, run: _Run, i: int, sample: Any, text: str) -> CompletionChoice:
+    def _choice(self, run: _Run, i: int, sample: Any, text: str, out: Any, first: bool) -> CompletionChoice:
+        """Choice ``i * n + sample.index``; the ``first`` chunk of a choice carries its prompt's scores: with
+        echo and logprobs the prompt tokens' logprobs (the first None: it has no context) lead the
+        logprobs, and with prompt_logprobs vLLM's field."""
         logprobs = None
         if run.request.logprobs is not None and sample.logprobs is not None:
+            rows = self.prompt_logprob_rows(out) if run.request.echo and first else []
+            rows += self.token_logprobs(sample.token_ids, sample.logprobs)
             logprobs = CompletionLogprobs()
             offset = run.text_offsets.get((i, sample.index), 0)
-            for token, logprob, top in self.token_logprobs(sample.token_ids, sample.logprobs):
+            for token, logprob, top in rows:
                 logprobs.tokens.append(token)
                 logprobs.token_logprobs.append(logprob)
-                logprobs.top_logprobs.append(dict(top))
+                logprobs.top_logprobs.append(dict(top) if top is not None else None)
                 logprobs.text_offset.append(offset)
                 offset += len(token)
             run.text_offsets[(i, sample.index)] = offset
+        prompt_logprobs = None
+        if run.request.prompt_logprobs is not None and first:
+            prompt_logprobs = prompt_logprobs_field(out.prompt_logprobs)
         return CompletionChoice(
             index=i * run.n + sample.index,
             text=text,
             logprobs=logprobs,
             finish_reason=sample.finish_reason,
             stop_reason=sample.stop_reason,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def prompt_logprob_rows(self, out: Any) -> list[tuple[str, float | None, list[tuple[str, float]] | None]]:
+        """The echoed prompt's rows for completion logprobs: (text, logprob, alternatives) per token."""
+        ids = list(out.prompt_token_ids or [])
+        scored = list(out.prompt_logprobs or [])
+        rows: list = []
+        for position, token_id in enumerate(ids):
+            entries = scored[position] if position < len(scored) else None
+            if entries is None:
+                rows.append((self.decode_token(token_id, None), None, None))
+            else:
+                rows.extend(self.token_logprobs([token_id], [entries]))
+        return rows
 
 
 class _Run:
@@ -187,6 +216,14 @@ class _Run:
 
     def prompt_text(self, i: int) -> str:
         return self.prompts[i].text or ""
+
+    def shown(self, sample: Any) -> Any:
+        """The sample as the client sees it: with max_tokens 0 the one token run for it is dropped."""
+        if self.request.max_tokens != 0:
+            return sample
+        return dataclasses.replace(
+            sample, text="", token_ids=[], logprobs=[] if sample.logprobs is not None else None
+        )
 
     def usage(self):
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)

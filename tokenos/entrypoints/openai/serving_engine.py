@@ -21,7 +21,7 @@ from pydantic import BaseModel
 
 from tokenos.core.validation import InvalidRequestError
 from tokenos.engine.core_client import EngineDeadError, EngineOverloadedError, RequestFailedError
-from tokenos.entrypoints.openai.protocol import OpenAIError, UsageInfo
+from tokenos.entrypoints.openai.protocol import OpenAIError, PromptLogprob, UsageInfo
 
 DISCONNECT_POLL_S = 0.5
 # JSON has no -inf: logprobs of impossible tokens are reported as this, as vLLM does.
@@ -153,6 +153,24 @@ class OpenAIServing:
         for rid in request_ids:
             if rid not in finished and not getattr(self.engine, "errored", False):
                 await self.engine.abort(rid)
+
+
+def prompt_logprobs_field(prompt_logprobs: list | None) -> list | None:
+    """vLLM's prompt_logprobs: per prompt token (None for the first), token id -> logprob, rank and text;
+    impossible tokens' -inf as MIN_LOGPROB (JSON has no infinities)."""
+    if prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entries is None
+        else {
+            token: PromptLogprob(
+                logprob=safe_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token
+            )
+            for token, lp in entries.items()
+        }
+        for entries in prompt_logprobs
+    ]
 
 
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
