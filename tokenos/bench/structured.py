@@ -13,7 +13,7 @@ import json
 import random
 import time
 
-from tokenos.engine.args import add_engine_args, engine_kwargs
+from tokenos.engine.flags import add_engine_args, engine_kwargs, parse_args
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +22,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--regex", default="[a-z ]+", help="the grammar of the constrained run")
     add_engine_args(parser)
+    parser.set_defaults(dtype="bfloat16")  # benchmarks run what the peers run
 
 
 def _wall(llm, prompts: list[dict], params) -> float:
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tokenos bench structured", description=__doc__)
     add_args(parser)
-    print(json.dumps(run(parser.parse_args(argv))), flush=True)
+    print(json.dumps(run(parse_args(parser, argv))), flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import json
 import random
 import time
 
-from tokenos.engine.args import add_engine_args, engine_kwargs
+from tokenos.engine.flags import add_engine_args, engine_kwargs, parse_args
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +28,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         "does with prefix caching on (by default the cache is emptied after the warm-up)",
     )
     add_engine_args(parser)
+    parser.set_defaults(dtype="bfloat16")  # benchmarks run what the peers run
 
 
 def load_workload(args: argparse.Namespace, vocab_size: int) -> list[dict]:
@@ -95,7 +96,7 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tokenos bench throughput", description=__doc__)
     add_args(parser)
-    print(json.dumps(run(parser.parse_args(argv))), flush=True)
+    print(json.dumps(run(parse_args(parser, argv))), flush=True)
 
 
 if __name__ == "__main__":

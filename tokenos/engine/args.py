@@ -1,4 +1,5 @@
-"""Every user-facing engine setting, one field each (the CLI flags and `LLM(...)` kwargs map here).
+"""Every user-facing engine setting, one field each (the CLI flags, `tokenos.engine.flags`, and the
+`LLM(...)` kwargs map here).
 
 `EngineArgs` is what users write; `create_configs()` resolves it against the model into the
 typed configs each layer consumes (model, scheduler, cache), validating in one place.
@@ -6,7 +7,6 @@ typed configs each layer consumes (model, scheduler, cache), validating in one p
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass, fields
 
@@ -29,7 +29,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = (
         False  # token-id prompts only, no text out (benchmarks, tokenizer-less checkpoints)
     )
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None  # the names clients use (the first is answered with)
     dtype: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 128
@@ -55,6 +55,12 @@ class EngineArgs:
     structured_outputs_backend: str = "auto"
     # Serving: requests (samples) that may wait beyond the max_num_seqs running; more get 429.
     max_waiting_requests: int = 1024
+    # Request defaults: "auto" takes the model's generation_config.json (temperature, top_p, ...), "vllm"
+    # none, or a folder holding one; override_generation_config goes over it.
+    generation_config: str = "auto"
+    override_generation_config: dict | None = None
+    max_logprobs: int = 20  # the most top-n logprobs (and prompt logprobs) a request may ask for
+    disable_log_stats: bool = False  # serving: no periodic stats line
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -93,7 +99,12 @@ class EngineArgs:
         if self.kv_cache_memory_bytes is not None:
             return self.kv_cache_memory_bytes
         env = os.environ.get("TOKENOS_KV_CACHE_MEMORY_BYTES")
-        return int(env) if env else _default_kv_cache_memory_bytes()
+        if env:
+            return int(env)
+        vllm_space = os.environ.get("VLLM_CPU_KVCACHE_SPACE")  # vLLM CPU's knob, in GiB
+        if vllm_space and float(vllm_space) > 0:
+            return int(float(vllm_space) * 2**30)
+        return _default_kv_cache_memory_bytes()
 
 
 def model_name(model_config) -> str:
@@ -101,63 +112,3 @@ def model_name(model_config) -> str:
     path = model_config.model_path.rstrip("/")
     name = os.path.basename(path)
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine flags, named as vLLM names them; each maps to one EngineArgs field."""
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
-    parser.add_argument("--block-size", type=int, default=EngineArgs.block_size)
-    parser.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=EngineArgs.enable_prefix_caching,
-    )
-    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--structured-outputs-backend",
-        "--guided-decoding-backend",
-        dest="structured_outputs_backend",
-        choices=("auto", "guidance", "llguidance", "xgrammar"),
-        default=None,
-        help="the grammar backend of structured output (default: llguidance; xgrammar needs its package)",
-    )
-    parser.add_argument(
-        "--reasoning-parser",
-        default=None,
-        help="reasoning models: deepseek_r1 or qwen3 (thinking as reasoning_content; grammars after it)",
-    )
-    parser.add_argument(
-        "--max-waiting-requests",
-        type=int,
-        default=EngineArgs.max_waiting_requests,
-        help="serving: requests that may wait beyond --max-num-seqs; more are refused with 429",
-    )
-    parser.add_argument(
-        "--mamba-cache-mode",
-        choices=("align", "all", "none"),
-        default=None,
-        help="hybrid models: which recurrent-state checkpoints to keep",
-    )
-    parser.add_argument(
-        "--mamba-checkpoint-interval",
-        type=int,
-        default=None,
-        help="hybrid models: checkpoint the recurrent state every N tokens (finer than a page)",
-    )
-    parser.add_argument(
-        "--mamba-checkpoint-at-end",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="hybrid models: publish the exact state at the end of each finished request (default: on)",
-    )
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = set(EngineArgs.field_names()) - {"model"}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}

@@ -9,7 +9,7 @@ import sys
 
 
 def _generate(argv: list[str]) -> int:
-    from tokenos.engine.args import add_engine_args, engine_kwargs
+    from tokenos.engine.flags import add_engine_args, engine_kwargs, parse_args
 
     parser = argparse.ArgumentParser(
         prog="tokenos generate", description="Answer one prompt with the chat template."
@@ -20,7 +20,7 @@ def _generate(argv: list[str]) -> int:
     parser.add_argument("--no-chat", action="store_true", help="complete the raw text instead of chatting")
     add_engine_args(parser)
     parser.set_defaults(dtype="auto")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
 
     from tokenos import LLM, SamplingParams
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -46,7 +47,7 @@ from tokenos.entrypoints.openai.protocol import (
 )
 from tokenos.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenos.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from tokenos.entrypoints.openai.serving_engine import ClientDisconnected
+from tokenos.entrypoints.openai.serving_engine import ClientDisconnected, ServingOptions
 
 logger = logging.getLogger("tokenos.server")
 
@@ -112,8 +113,21 @@ def too_large(max_bytes: int) -> JSONResponse:
 
 
 def served_model_names(engine: Any, args: argparse.Namespace) -> list[str]:
-    name = getattr(args, "served_model_name", None) or getattr(engine, "served_model_name", None)
-    return [name or "default"]
+    """The names clients may use, the first answered with: --served-model-name, else MODEL as given (as
+    vLLM names it), else the engine's (the embedded model's file name)."""
+    names = getattr(args, "served_model_name", None)
+    if isinstance(names, str):
+        names = [names]
+    if names:
+        return list(names)
+    model = getattr(args, "model", None)
+    if model:
+        return [model]
+    if engine is not None and getattr(engine, "served_model_name", None):
+        return [engine.served_model_name]
+    from tokenos.model_loader.embedded import default_model_path
+
+    return [os.path.basename(default_model_path()).removesuffix(".gguf")]
 
 
 def error_response(error: OpenAIError) -> JSONResponse:
@@ -143,15 +157,24 @@ def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
     )
     names = served_model_names(engine, args)
     executor = ThreadPoolExecutor(FRONT_DOOR_THREADS, thread_name_prefix="tokenos-front-door")
-    completion = OpenAIServingCompletion(engine, names, executor)
+    options = ServingOptions.from_args(args)
+    completion = OpenAIServingCompletion(engine, names, executor, options)
     tool_parser = (
         getattr(args, "tool_call_parser", None) if getattr(args, "enable_auto_tool_choice", False) else None
     )
-    chat = OpenAIServingChat(engine, names, executor, tool_call_parser=tool_parser)
+    chat = OpenAIServingChat(engine, names, executor, tool_call_parser=tool_parser, options=options)
     max_body = getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_REQUEST_BODY_BYTES
     _add_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body)
     _add_api_key_check(app, getattr(args, "api_key", None))
+    # Outermost, as vLLM adds it: a browser's OPTIONS preflight is answered before the key is checked.
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=getattr(args, "allowed_origins", None) or ["*"],
+        allow_methods=getattr(args, "allowed_methods", None) or ["*"],
+        allow_headers=getattr(args, "allowed_headers", None) or ["*"],
+        allow_credentials=bool(getattr(args, "allow_credentials", False)),
+    )
 
     @app.get("/health")
     async def health() -> Response:
@@ -180,11 +203,18 @@ def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
             source.engine_dead.set(1)
         return Response(source.render(), media_type=CONTENT_TYPE)
 
+    root = getattr(getattr(engine, "engine_args", None), "model", None)
+
+    def card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=root or name, max_model_len=completion.max_model_len)
+
     @app.get("/v1/models")
     async def models() -> ModelList:
-        root = getattr(getattr(engine, "engine_args", None), "model", None)
-        cards = [ModelCard(id=n, root=root, max_model_len=completion.max_model_len) for n in names]
-        return ModelList(data=cards)
+        return ModelList(data=[card(n) for n in names])
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> ModelCard:
+        return card(completion.check_model(model_id))
 
     @app.post("/v1/completions")
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
@@ -273,8 +303,7 @@ def build_engine(args: argparse.Namespace) -> Any:
     from tokenos.entrypoints.openai.cli_args import engine_args_from
 
     engine_args = engine_args_from(args)
-    metrics_name = args.served_model_name or os.path.basename((args.model or "default").rstrip("/"))
-    return AsyncLLM(engine_args, metrics=EngineMetrics(metrics_name))
+    return AsyncLLM(engine_args, metrics=EngineMetrics(served_model_names(None, args)[0]))
 
 
 async def serve_app(app: FastAPI, engine: Any, args: argparse.Namespace) -> int:
@@ -282,7 +311,16 @@ async def serve_app(app: FastAPI, engine: Any, args: argparse.Namespace) -> int:
     import uvicorn
 
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info", access_log=False, timeout_graceful_shutdown=5
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=getattr(args, "uvicorn_log_level", None) or "info",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        ssl_keyfile=getattr(args, "ssl_keyfile", None),
+        ssl_certfile=getattr(args, "ssl_certfile", None),
+        ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
+        root_path=getattr(args, "root_path", None) or "",
     )
     server = uvicorn.Server(config)
     watchdog = asyncio.create_task(_watch_engine(server, engine, args))

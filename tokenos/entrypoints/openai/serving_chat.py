@@ -44,6 +44,7 @@ from tokenos.entrypoints.openai.serving_engine import (
     SSE_DONE,
     ClientDisconnected,
     OpenAIServing,
+    ServingOptions,
     engine_error,
     make_usage,
     merge_outputs,
@@ -62,9 +63,10 @@ class OpenAIServingChat(OpenAIServing):
         served_model_names: list[str],
         executor: Executor | None = None,
         tool_call_parser: str | None = None,
+        options: ServingOptions | None = None,
     ) -> None:
         """``tool_call_parser`` (with ``--enable-auto-tool-choice``) reads tool_choice "auto" calls."""
-        super().__init__(engine, served_model_names, executor)
+        super().__init__(engine, served_model_names, executor, options)
         self.tool_parser_cls = get_tool_parser(tool_call_parser) if tool_call_parser else None
 
     def render_prompt(
@@ -117,6 +119,8 @@ class OpenAIServingChat(OpenAIServing):
             raise engine_error(e) from e
         is_disconnected = raw_request.is_disconnected if raw_request is not None else None
         run = _ChatRun(request_id, model, request, len(prompt.token_ids))
+        run.show_cached = self.options.enable_prompt_tokens_details
+        self.log_received(request_id, prompt, params)
         reasoning = self.input_processor.reasoning_parser
         state = reasoning.initial_state(prompt.text) if reasoning is not None else ReasoningState.ENDED
         max_calls = None if request.parallel_tool_calls else 1
@@ -166,6 +170,7 @@ class OpenAIServingChat(OpenAIServing):
                 for c in read.calls
             ]
             message = AssistantMessage(
+                role=self.options.response_role,
                 content=read.content,
                 reasoning_content=read.reasoning if run.request.include_reasoning else None,
                 tool_calls=calls,
@@ -205,7 +210,8 @@ class OpenAIServingChat(OpenAIServing):
                         yield sse(
                             run.chunk(
                                 ChatStreamChoice(
-                                    index=sample.index, delta=DeltaMessage(role="assistant", content="")
+                                    index=sample.index,
+                                    delta=DeltaMessage(role=self.options.response_role, content=""),
                                 )
                             )
                         )
@@ -280,6 +286,7 @@ class _ChatRun:
         self.created = int(time.time())
         self.completion_tokens = 0
         self.cached_tokens = 0
+        self.show_cached = False
         self.new_reader: Callable[[], ChoiceReader] = lambda: ChoiceReader(None, ReasoningState.ENDED, None)
         self._readers: dict[int, ChoiceReader] = {}
         self._call_ids: dict[int, dict[int, str]] = {}  # choice -> call index -> its id
@@ -322,4 +329,5 @@ class _ChatRun:
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[choice])
 
     def usage(self):
-        return make_usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        cached = self.cached_tokens if self.show_cached else 0  # --enable-prompt-tokens-details
+        return make_usage(self.prompt_tokens, self.completion_tokens, cached)

@@ -47,6 +47,9 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self.off_loop(self._prepare_prompts, request, params)
         base_id = random_id("cmpl")
         run = _Run(base_id, model, request, prompts, params.n)
+        run.show_cached = self.options.enable_prompt_tokens_details
+        for prompt, rid in zip(prompts, run.request_ids, strict=True):
+            self.log_received(rid, prompt, params)
         try:  # admission happens here, before any byte of the response: refusals keep their status
             generators = [
                 self.engine.generate(
@@ -213,6 +216,7 @@ class _Run:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.text_offsets: dict[tuple[int, int], int] = {}
+        self.show_cached = False
 
     def prompt_text(self, i: int) -> str:
         return self.prompts[i].text or ""
@@ -227,4 +231,5 @@ class _Run:
 
     def usage(self):
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
-        return make_usage(prompt_tokens, self.completion_tokens, self.cached_tokens)
+        cached = self.cached_tokens if self.show_cached else 0  # --enable-prompt-tokens-details
+        return make_usage(prompt_tokens, self.completion_tokens, cached)

@@ -12,9 +12,11 @@ also calls `engine.abort` for every request that did not finish.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Executor
+from dataclasses import dataclass, fields
 from typing import Any
 
 from pydantic import BaseModel
@@ -22,6 +24,8 @@ from pydantic import BaseModel
 from tokenos.core.validation import InvalidRequestError
 from tokenos.engine.core_client import EngineDeadError, EngineOverloadedError, RequestFailedError
 from tokenos.entrypoints.openai.protocol import OpenAIError, PromptLogprob, UsageInfo
+
+logger = logging.getLogger("tokenos.server")
 
 DISCONNECT_POLL_S = 0.5
 # JSON has no -inf: logprobs of impossible tokens are reported as this, as vLLM does.
@@ -91,14 +95,36 @@ async def merge_outputs(
         await asyncio.gather(*pending, return_exceptions=True)
 
 
+@dataclass(frozen=True)
+class ServingOptions:
+    """The server flags that shape responses (vLLM's names)."""
+
+    response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    enable_log_requests: bool = False
+
+    @classmethod
+    def from_args(cls, args: Any) -> ServingOptions:
+        names = [f.name for f in fields(cls)]
+        return cls(**{n: getattr(args, n) for n in names if getattr(args, n, None) is not None})
+
+
 class OpenAIServing:
     """Base of the endpoint handlers: the engine, the served names and the checks every request needs."""
 
-    def __init__(self, engine: Any, served_model_names: list[str], executor: Executor | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        served_model_names: list[str],
+        executor: Executor | None = None,
+        options: ServingOptions | None = None,
+    ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_model_len: int = engine.model_config.max_model_len
         self.executor = executor  # where front-door work runs (None: the event loop's default pool)
+        self.options = options or ServingOptions()
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in a worker thread: tokenizing a large prompt must not stall other clients."""
@@ -128,9 +154,26 @@ class OpenAIServing:
             raise engine_error(self.engine.dead_error or EngineDeadError("the engine core is not running"))
 
     def decode_token(self, token_id: int, decoded: str | None) -> str:
+        if self.options.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
         return (
             decoded if decoded is not None else self.tokenizer.decode([token_id], skip_special_tokens=False)
         )
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> UsageInfo:
+        details = cached_tokens if self.options.enable_prompt_tokens_details else 0
+        return make_usage(prompt_tokens, completion_tokens, details)
+
+    def log_received(self, request_id: str, prompt: Any, params: Any) -> None:
+        if self.options.enable_log_requests:
+            text = (getattr(prompt, "text", None) or "")[:200]
+            logger.info(
+                "Received request %s: prompt: %r, prompt_token_ids: %d, params: %s",
+                request_id,
+                text,
+                len(prompt.token_ids),
+                params,
+            )
 
     def token_logprobs(
         self, token_ids: list[int], logprobs: list[dict[int, Any]]
