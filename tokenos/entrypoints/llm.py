@@ -13,6 +13,7 @@ from typing import Any
 
 from tokenos.engine.args import EngineArgs
 from tokenos.engine.core import EngineCore
+from tokenos.engine.generation_config import engine_generation_defaults
 from tokenos.engine.input_processor import InputProcessor, ProcessedRequest, Prompt, PromptType
 from tokenos.engine.output_processor import OutputProcessor
 from tokenos.engine.tokenizer import load_tokenizer
@@ -39,10 +40,12 @@ class LLM:
             self.tokenizer,
             self.model_config,
             self.engine_args.chat_template,
+            max_logprobs=self.engine_args.max_logprobs,
             reasoning_parser=self.engine_args.reasoning_parser,
             structured_backend=self.engine_args.structured_outputs_backend,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.generation_defaults = engine_generation_defaults(self)
         self._counter = itertools.count()
         self._num_requests = 0
         self._num_generation_tokens = 0
@@ -111,9 +114,14 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a request without sampling params gets: the generation config's recommended settings
+        (``generation_config="auto"``, vLLM's default), else SamplingParams' own defaults."""
+        return SamplingParams(**self.generation_defaults)
+
     def _params_list(self, sampling_params, n: int) -> list[SamplingParams]:
         if sampling_params is None:
-            return [SamplingParams() for _ in range(n)]
+            return [self.get_default_sampling_params() for _ in range(n)]
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * n
         params = list(sampling_params)

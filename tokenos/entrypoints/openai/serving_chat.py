@@ -106,6 +106,7 @@ class OpenAIServingChat(OpenAIServing):
         """The response, or (stream=true) an iterator of SSE lines; raises OpenAIError."""
         model = self.check_model(request.model)
         self.check_engine()
+        request = self.with_defaults(request)
         params = request.to_sampling_params(self.input_processor.structured_backend)
         tool_parser = self._tool_parser(request)
         self.input_processor.check_params(params)

@@ -42,6 +42,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """The response, or (stream=true) an iterator of SSE lines; raises OpenAIError."""
         model = self.check_model(request.model)
         self.check_engine()
+        request = self.with_defaults(request)
         params = request.to_sampling_params(self.input_processor.structured_backend)
         self.input_processor.check_params(params)
         prompts = await self.off_loop(self._prepare_prompts, request, params)

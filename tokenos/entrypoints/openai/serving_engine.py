@@ -23,6 +23,7 @@ from pydantic import BaseModel
 
 from tokenos.core.validation import InvalidRequestError
 from tokenos.engine.core_client import EngineDeadError, EngineOverloadedError, RequestFailedError
+from tokenos.engine.generation_config import engine_generation_defaults
 from tokenos.entrypoints.openai.protocol import OpenAIError, PromptLogprob, UsageInfo
 
 logger = logging.getLogger("tokenos.server")
@@ -125,6 +126,21 @@ class OpenAIServing:
         self.max_model_len: int = engine.model_config.max_model_len
         self.executor = executor  # where front-door work runs (None: the event loop's default pool)
         self.options = options or ServingOptions()
+        self.generation_defaults = engine_generation_defaults(engine)
+
+    def with_defaults(self, request: Any) -> Any:
+        """The request with the generation config's defaults in the sampling fields it left unset."""
+        if not self.generation_defaults:
+            return request
+        update = {
+            name: value
+            for name, value in self.generation_defaults.items()
+            if name != "max_tokens" and getattr(request, name, 0) is None
+        }
+        cap = self.generation_defaults.get("max_tokens")
+        if cap is not None and request.requested_max_tokens() is None:
+            update["max_tokens"] = cap
+        return request.model_copy(update=update) if update else request
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in a worker thread: tokenizing a large prompt must not stall other clients."""
