@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
+# Tests read log records through pytest's capture (the root logger): tokenos's own handler stays off.
+os.environ.setdefault("TOKENOS_CONFIGURE_LOGGING", "0")
 
-from tests.fixtures.checkpoints import save_tiny
-from tests.fixtures.servers import LiveServers
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.fixtures.checkpoints import save_tiny  # noqa: E402
+from tests.fixtures.servers import LiveServers  # noqa: E402
 
 # The KV pool of every engine a test starts without an explicit size (each `LLM(...)`; server subprocesses
 # inherit the variable). The engine's default is a quarter of the free RAM up to 4 GiB, zeroed on

@@ -2,7 +2,10 @@
 
 __version__ = "0.1.0"
 
+from tokenos.logger import configure_logging  # noqa: E402
 from tokenos.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+
+configure_logging()
 
 __all__ = ["SamplingParams", "RequestOutputKind", "LLM", "__version__"]
 

@@ -7,7 +7,6 @@ process, no sockets), with the same front door (`InputProcessor`) and output pro
 from __future__ import annotations
 
 import itertools
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +16,8 @@ from tokenos.engine.generation_config import engine_generation_defaults
 from tokenos.engine.input_processor import InputProcessor, ProcessedRequest, Prompt, PromptType
 from tokenos.engine.output_processor import OutputProcessor
 from tokenos.engine.tokenizer import load_tokenizer
+from tokenos.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from tokenos.entrypoints.progress import Progress
 from tokenos.outputs import RequestOutput
 from tokenos.sampling_params import RequestOutputKind, SamplingParams
 
@@ -95,14 +96,23 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to conversations (one or a list); ``tools`` and ``chat_template_kwargs``
-        reach the template (as in vLLM, the offline reply is text: no tool-call parsing)."""
+        reach the template (as in vLLM, the offline reply is text: no tool-call parsing).
+        ``continue_final_message``: the last (assistant) message is continued rather than answered (then
+        ``add_generation_prompt`` must be False)."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError(
+                "continue_final_message continues the last message: set add_generation_prompt=False."
+            )
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         kwargs = dict(chat_template_kwargs or {})
         if tools is not None:
             kwargs["tools"] = tools
+        if continue_final_message:
+            kwargs["continue_final_message"] = True
         prompts = [
             self.input_processor.render_chat(
                 conversation,
@@ -113,6 +123,33 @@ class LLM:
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Sequence[PromptType], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the ``beam_width`` best sequences of each prompt (best first), each
+        with its tokens (prompt included), the generated tokens' logprobs, the cumulative logprob and the
+        text (`tokenos.entrypoints.beam_search`)."""
+        width = params.beam_width
+        if 2 * width > self.engine_args.max_logprobs:
+            raise ValueError(
+                f"beam_width {width} needs {2 * width} logprobs per step; the engine allows "
+                f"{self.engine_args.max_logprobs} (max_logprobs)."
+            )
+        token_lists = [self.input_processor.tokenize_prompt(p).token_ids for p in prompts]
+        for tokens in token_lists:
+            self.input_processor.check_prompt(tokens)
+            self.input_processor.check_context(len(tokens), params.max_tokens)
+
+        def step(beams: list[list[int]], k: int) -> list[dict[int, float]]:
+            one_token = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)
+            outs = self.generate([{"prompt_token_ids": b} for b in beams], one_token, use_tqdm=False)
+            return [{t: lp.logprob for t, lp in out.outputs[0].logprobs[0].items()} for out in outs]
+
+        found = beam_search(token_lists, params, step, self.input_processor.eos_token_id)
+        for sequences in found:
+            for beam in sequences:
+                if self.tokenizer is not None:
+                    beam.text = self.tokenizer.decode(beam.tokens)
+        return [BeamSearchOutput(sequences) for sequences in found]
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What a request without sampling params gets: the generation config's recommended settings
@@ -140,7 +177,7 @@ class LLM:
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
-        bar = _progress_bar(len(request_ids), use_tqdm)
+        progress = Progress(len(request_ids), use_tqdm)
         while self.output_processor.has_unfinished_requests():
             step = self.engine.step()
             ready, to_abort = self.output_processor.process_outputs(step.outputs)
@@ -149,11 +186,10 @@ class LLM:
             for out in ready:
                 if out.finished:
                     results[out.request_id] = out
-                    self._num_generation_tokens += sum(len(c.token_ids) for c in out.outputs)
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+                    generated = sum(len(c.token_ids) for c in out.outputs)
+                    self._num_generation_tokens += generated
+                    progress.update(len(out.prompt_token_ids or ()), generated)
+        progress.close()
         return [results[r] for r in request_ids]
 
     # ------------------------------------------------------------ introspection
@@ -174,11 +210,3 @@ class LLM:
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
-
-
-def _progress_bar(total: int, use_tqdm: bool):
-    if not use_tqdm or total <= 1 or not sys.stderr.isatty():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
