@@ -45,9 +45,11 @@ from tokenos.entrypoints.openai.protocol import (
     OpenAIError,
     TokenizeRequest,
 )
+from tokenos.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenos.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenos.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenos.entrypoints.openai.serving_engine import ClientDisconnected, ServingOptions
+from tokenos.entrypoints.openai.serving_responses import OpenAIServingResponses
 
 logger = logging.getLogger("tokenos.server")
 
@@ -163,6 +165,7 @@ def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
         getattr(args, "tool_call_parser", None) if getattr(args, "enable_auto_tool_choice", False) else None
     )
     chat = OpenAIServingChat(engine, names, executor, tool_call_parser=tool_parser, options=options)
+    responses = OpenAIServingResponses(chat)
     max_body = getattr(args, "max_request_body_bytes", None) or DEFAULT_MAX_REQUEST_BODY_BYTES
     _add_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body)
@@ -223,6 +226,10 @@ def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Response:
         return await _respond(chat.create_chat_completion(request, raw_request))
+
+    @app.post("/v1/responses")
+    async def create_response(request: ResponsesRequest, raw_request: Request) -> Response:
+        return await _respond(responses.create_response(request, raw_request))
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> dict:
