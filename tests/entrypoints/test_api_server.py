@@ -175,10 +175,10 @@ def test_models_tokenize_detokenize_version(make_client, fake_engine):
 
 
 def test_metrics_endpoint(make_client, fake_engine):
-    fake_engine.metrics.record_first_token(0.1)
+    fake_engine.metrics.ttft.observe(0.1)
     r = make_client(fake_engine).get("/metrics")
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    assert 'tokenos:time_to_first_token_seconds_count{model_name="fake-model"} 1.0' in r.text
+    assert 'vllm:time_to_first_token_seconds_count{engine="0",model_name="fake-model"} 1.0' in r.text
 
 
 def test_dead_engine_gives_503(make_client, fake_engine):

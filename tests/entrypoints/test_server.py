@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.fixtures.checkpoints import save_served
+from tests.fixtures.dashboards import dashboard_problems
 from tests.fixtures.servers import MAX_MODEL_LEN, Server, metric
 
 pytest.importorskip("tokenos.engine.async_llm")
@@ -191,7 +192,7 @@ def test_bad_requests(server, client):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt=[100] * MAX_MODEL_LEN, max_tokens=1)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="tiny", prompt="hi", max_tokens=0)
+        client.completions.create(model="tiny", prompt="hi", max_tokens=-1)
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=1)
     with pytest.raises(openai.AuthenticationError):
@@ -214,7 +215,7 @@ def test_disconnect_aborts_the_request_in_the_engine(server, client):
     deadline = time.monotonic() + 30
     running = None
     while time.monotonic() < deadline:
-        running = metric(httpx.get(f"{server.url}/metrics").text, "tokenos:num_requests_running")
+        running = metric(httpx.get(f"{server.url}/metrics").text, "vllm:num_requests_running{")
         if running == 0:
             break
         time.sleep(0.1)
@@ -222,12 +223,29 @@ def test_disconnect_aborts_the_request_in_the_engine(server, client):
     assert client.completions.create(model="tiny", prompt="after", max_tokens=2).usage.completion_tokens == 2
 
 
-def test_metrics(server):
+def test_metrics(server, client):
+    before = httpx.get(f"{server.url}/metrics").text
+    prompt = [100 + i for i in range(37)]
+    client.completions.create(model="tiny", prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True})
     text = httpx.get(f"{server.url}/metrics").text
-    assert metric(text, "tokenos:generation_tokens_total") > 0
-    assert metric(text, 'tokenos:request_success_total{finished_reason="length"') > 0
-    assert metric(text, "tokenos:time_to_first_token_seconds_count") > 0
-    assert metric(text, "tokenos:prefix_cache_queries_total") > 0
+
+    def moved(name: str) -> float:
+        return metric(text, name) - metric(before, name)
+
+    # The served model name labels every series (vLLM's model_name), engine "0".
+    length = 'vllm:request_success_total{engine="0",finished_reason="length",model_name="tiny"}'
+    assert moved(length) == 1
+    assert moved("vllm:prompt_tokens_total{") == 37
+    assert moved("vllm:generation_tokens_total{") == 5
+    assert moved("vllm:request_prompt_tokens_sum{") == 37
+    assert moved("vllm:request_generation_tokens_sum{") == 5
+    assert moved("vllm:inter_token_latency_seconds_count{") == 4
+    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time", "request_prefill_time"):
+        assert moved(f"vllm:{name}_seconds_count{{") == 1, name  # the core reported when it scheduled it
+    assert moved("vllm:iteration_tokens_total_count{") >= 5  # prefill, then a step per decode
+    assert moved("vllm:prefix_cache_queries_total{") >= 37
+    assert metric(text, "vllm:cache_config_info{") == 1
+    assert dashboard_problems(text) == []  # the shipped dashboard reads a real server
 
 
 def test_engine_death_fails_requests_and_exits_nonzero(tiny_llama):

@@ -38,7 +38,7 @@ def test_hybrid_served_matches_offline_and_hits_checkpoints(tiny_hybrid):
             assert r.status_code == 200, r.text
             served.append(r.json()["choices"][0]["text"])
         metrics = httpx.get(f"{server.url}/metrics").text
-        assert metric(metrics, "tokenos:prefix_cache_hits_total") > 0
+        assert metric(metrics, "vllm:prefix_cache_hits_total{") > 0
     finally:
         server.stop()
     llm = LLM(tiny_hybrid, dtype="float32", max_model_len=256)

@@ -121,16 +121,16 @@ def test_the_waiting_queue_is_bounded_and_nothing_leaks(server):
     assert all(json.loads(r.text)["error"]["code"] == "queue_full" for r in full)
     assert all(r.text.rstrip().endswith("data: [DONE]") for r in ok)
     text = httpx.get(f"{server.url}/metrics").text
-    key = 'tokenos:request_rejected_total{model_name="tiny",reason="queue_full"}'
+    key = 'tokenos:request_rejected_total{engine="0",model_name="tiny",reason="queue_full"}'
     assert metric(text, key) - metric(before, key) == len(full)
-    assert metric(text, "tokenos:num_requests_running") == 0
-    assert metric(text, "tokenos:num_requests_waiting") == 0
-    assert metric(text, "tokenos:kv_cache_usage_perc") == 0
+    assert metric(text, "vllm:num_requests_running{") == 0
+    assert metric(text, "vllm:num_requests_waiting{") == 0
+    assert metric(text, "vllm:kv_cache_usage_perc{") == 0
     assert_serving(server)
 
 
 def test_client_disconnects_are_counted_as_aborts(server):
-    key = 'tokenos:request_success_total{finished_reason="abort",model_name="tiny"}'
+    key = 'vllm:request_success_total{engine="0",finished_reason="abort",model_name="tiny"}'
     before = metric(httpx.get(f"{server.url}/metrics").text, key)
     body = {**BASE, "max_tokens": 200, "ignore_eos": True, "stream": True}
     for _ in range(3):
@@ -139,8 +139,8 @@ def test_client_disconnects_are_counted_as_aborts(server):
             next(r.iter_lines())  # the first chunk arrived: the request is running; now hang up
     for _ in range(100):  # the server notices each disconnect within its poll interval
         text = httpx.get(f"{server.url}/metrics").text
-        if metric(text, key) - before == 3 and metric(text, "tokenos:num_requests_running") == 0:
+        if metric(text, key) - before == 3 and metric(text, "vllm:num_requests_running{") == 0:
             break
         time.sleep(0.1)
     assert metric(text, key) - before == 3
-    assert metric(text, "tokenos:kv_cache_usage_perc") == 0
+    assert metric(text, "vllm:kv_cache_usage_perc{") == 0

@@ -65,6 +65,11 @@ class AsyncLLM:
             death_handler=metrics.record_engine_death if metrics is not None else None,
         )
         self.model_info = self.client.start()
+        if metrics is not None:  # token-count buckets span the context; vllm:cache_config_info the pool
+            from tokenos.engine.metrics import cache_config_info
+
+            max_len = self.model_info.get("max_model_len") or self.model_config.max_model_len
+            metrics.configure(max_len, cache_config_info(engine_args, self.model_info))
 
     @property
     def errored(self) -> bool:

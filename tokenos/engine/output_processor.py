@@ -3,19 +3,24 @@
 Per request it keeps the incremental detokenizer (which also finds stop strings), the
 token ids, logprobs and timing; a stop string found here ends the request, and its id is
 returned so the caller aborts it in the engine core. A parent request with n > 1 samples
-gathers its children's `CompletionOutput`s by index.
+gathers its children's `CompletionOutput`s by index. With metrics, each sample's timeline goes to
+`EngineMetrics` as it moves and once when it ends, whether it finished or was aborted here.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenos.core.messages import EngineCoreOutput, FinishReason
 from tokenos.engine.detokenizer import IncrementalDetokenizer
 from tokenos.engine.input_processor import ProcessedRequest
 from tokenos.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenos.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:  # the offline LLM never loads prometheus_client
+    from tokenos.engine.metrics import SampleStats
 
 
 @dataclass
@@ -32,6 +37,7 @@ class SampleState:
     stop_reason: int | str | None = None
     sent_text_len: int = 0
     sent_tokens: int = 0
+    stats: SampleStats | None = None  # with metrics only
 
     @property
     def text(self) -> str:
@@ -88,6 +94,11 @@ class OutputProcessor:
                 )
             )
         parent = ParentState(request_id, prompt, prompt_token_ids, params, samples, time.monotonic(), queue)
+        if self.metrics is not None:
+            for s in samples:
+                s.stats = self.metrics.new_sample(
+                    s.request_id, parent.arrival_time, len(prompt_token_ids), params.max_tokens
+                )
         self.parents[request_id] = parent
         for s in samples:
             self.child_to_parent[s.request_id] = (parent, s)
@@ -104,11 +115,22 @@ class OutputProcessor:
         unfinished = [s for s in parent.samples if s.finish_reason is None]
         for s in parent.samples:
             self.child_to_parent.pop(s.request_id, None)
+        now = time.monotonic()
         for s in unfinished:
             s.finish_reason = "abort"
-        if self.metrics is not None:
-            self.metrics.record_finished(parent, time.monotonic())
+            self._observe_finished(s, "abort", now)
+        if unfinished:
+            self._observe_parent_finished(parent)
         return [s.request_id for s in unfinished]
+
+    def _observe_finished(self, sample: SampleState, reason: str, now: float) -> None:
+        if self.metrics is not None and sample.stats is not None:
+            self.metrics.observe_finished(sample.stats, reason, now)
+
+    def _observe_parent_finished(self, parent: ParentState) -> None:
+        if self.metrics is not None:
+            longest = max(len(s.token_ids) for s in parent.samples)
+            self.metrics.observe_parent_finished(len(parent.samples), longest)
 
     # ------------------------------------------------------------ the per-step update
 
@@ -129,6 +151,10 @@ class OutputProcessor:
                 to_abort.append(sample.request_id)
             if sample.finish_reason is not None:
                 self.child_to_parent.pop(sample.request_id, None)
+                # The engine failing this sample alone is vLLM's "error" (its output still says abort).
+                self._observe_finished(
+                    sample, "error" if out.error is not None else sample.finish_reason, now
+                )
             request_output = self._make_output(parent, sample)
             if request_output is not None:
                 earlier = ready.get(parent.request_id)
@@ -138,8 +164,7 @@ class OutputProcessor:
                 ready[parent.request_id] = request_output
             if parent.finished:
                 self.parents.pop(parent.request_id, None)
-                if self.metrics is not None:
-                    self.metrics.record_finished(parent, now)
+                self._observe_parent_finished(parent)
         return list(ready.values()), to_abort
 
     def _update_sample(
@@ -157,11 +182,9 @@ class OutputProcessor:
         if new_ids:
             if parent.first_token_time is None:
                 parent.first_token_time = now
-                if self.metrics is not None:
-                    self.metrics.record_first_token(now - parent.arrival_time)
-            elif self.metrics is not None and parent.last_token_time is not None:
-                self.metrics.record_token(now - parent.last_token_time)
             parent.last_token_time = now
+            if self.metrics is not None and sample.stats is not None:
+                self.metrics.observe_tokens(sample.stats, len(new_ids), now, out.num_cached_tokens)
             parent.num_generation_tokens += len(new_ids)
             sample.token_ids.extend(new_ids)
             if out.new_logprobs is not None and sample.logprobs is not None:

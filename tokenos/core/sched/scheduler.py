@@ -21,6 +21,7 @@ request and allocates only what the output messages need.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 
 from tokenos.config import CacheConfig, SchedulerConfig
@@ -80,6 +81,11 @@ class Scheduler:
         # Finished or aborted since the last schedule(): the worker drops them next step.
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
+        # For the frontend's metrics: steps so far, and the last step's tokens and first admissions
+        # (request id -> time.monotonic() when it was first scheduled: its queue time ends there).
+        self.num_steps = 0
+        self.last_step_tokens = 0
+        self.last_step_first_scheduled: dict[str, float] = {}
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -147,16 +153,23 @@ class Scheduler:
         return {
             "num_running": len(self.running),
             "num_waiting": len(self.waiting) + self.forks.num_parked,
+            # Of those, n > 1 siblings parked until sample 0 reaches the fork point (not capacity).
+            "num_waiting_deferred": self.forks.num_parked,
             "kv_cache_usage": kv.usage,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
             "num_preemptions": self.num_preemptions,
+            "num_steps": self.num_steps,
+            "step_tokens": self.last_step_tokens,
+            "first_scheduled": self.last_step_first_scheduled,
         }
 
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> SchedulerOutput:
         plan = StepPlan(self.max_num_scheduled_tokens)
+        if self.last_step_first_scheduled:  # a new dict, never cleared: stats already made keep theirs
+            self.last_step_first_scheduled = {}
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -164,6 +177,8 @@ class Scheduler:
             self.kv_cache_manager.get_block_ids, self.finished_req_ids, self.max_num_scheduled_tokens
         )
         self.finished_req_ids = set()
+        self.num_steps += 1
+        self.last_step_tokens = out.total_num_scheduled_tokens
         return out
 
     def _num_new_tokens(self, req: Request, num_computed: int, num_new: int, budget: int) -> int:
@@ -225,8 +240,9 @@ class Scheduler:
             running.append(req)
             req.status = _RUNNING
             req.num_computed_tokens = num_hit
-            if req.num_cached_tokens < 0:
+            if req.num_cached_tokens < 0:  # its first admission (not a resumption after preemption)
                 req.num_cached_tokens = num_hit
+                self.last_step_first_scheduled[req.request_id] = time.monotonic()
             copies = kv.state_copies(num_hit, num_hit + num_new) if kv.has_recurrent else None
             plan.admit(req, num_new, copies, kv.take_prefix_page_copies(req))
             self.forks.after_admission(req, num_hit)
