@@ -23,6 +23,7 @@ from tokenos.engine.core_client import (
 )
 from tokenos.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from tokenos.engine.output_processor import OutputProcessor
+from tokenos.engine.stat_logger import StatLogger
 from tokenos.engine.tokenizer import load_tokenizer
 from tokenos.outputs import RequestOutput
 from tokenos.sampling_params import SamplingParams
@@ -53,6 +54,7 @@ class AsyncLLM:
             engine_args.chat_template,
             reasoning_parser=engine_args.reasoning_parser,
             structured_backend=engine_args.structured_outputs_backend,
+            max_logprobs=engine_args.max_logprobs,
         )
         self.metrics = metrics
         # Samples in flight (running or waiting in the core); beyond max_in_flight a request is refused.
@@ -65,6 +67,11 @@ class AsyncLLM:
             death_handler=metrics.record_engine_death if metrics is not None else None,
         )
         self.model_info = self.client.start()
+        # The periodic stats line (unless disable_log_stats), from the core's latest stats.
+        self.stat_logger = None
+        if metrics is not None and not engine_args.disable_log_stats:
+            self.stat_logger = StatLogger(metrics)
+            self.stat_logger.start(lambda: self.client.latest_stats)
         if metrics is not None:  # token-count buckets span the context; vllm:cache_config_info the pool
             from tokenos.engine.metrics import cache_config_info
 
@@ -83,6 +90,8 @@ class AsyncLLM:
         await self.client.check_health()
 
     def shutdown(self) -> None:
+        if self.stat_logger is not None:
+            self.stat_logger.stop()
         self.client.shutdown()
 
     def generate(

@@ -231,6 +231,9 @@ class EngineMetrics:
         )
 
     def _build_token_counters(self) -> None:
+        # Plain running totals of the two token counters, for the periodic stats line (stat_logger.py).
+        self.total_prompt_tokens = 0
+        self.total_generation_tokens = 0
         self.prompt_tokens = self._one(Counter, "vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.prompt_tokens_by_source = self._by(
             Counter,
@@ -348,6 +351,7 @@ class EngineMetrics:
         if num_new <= 0:
             return
         self.generation_tokens.inc(num_new)
+        self.total_generation_tokens += num_new
         if sample.first_token_time is None:
             sample.first_token_time = now
             self.ttft.observe(max(now - sample.arrival_time, 0.0))
@@ -364,6 +368,7 @@ class EngineMetrics:
         cached = min(max(num_cached_tokens, 0), total)
         sample.num_cached_tokens = cached
         self.prompt_tokens.inc(total)
+        self.total_prompt_tokens += total
         self.prompt_tokens_cached.inc(cached)
         self.prompt_tokens_by_source["local_cache_hit"].inc(cached)
         self.prompt_tokens_by_source["local_compute"].inc(total - cached)

@@ -23,6 +23,7 @@ import asyncio
 import logging
 import os
 import secrets
+import signal
 import sys
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -331,11 +332,20 @@ async def serve_app(app: FastAPI, engine: Any, args: argparse.Namespace) -> int:
     )
     server = uvicorn.Server(config)
     watchdog = asyncio.create_task(_watch_engine(server, engine, args))
+    # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for the handler it
+    # found: let that one note it, so Ctrl-C ends with exit 0 and one line, not a KeyboardInterrupt.
+    previous = {sig: signal.signal(sig, _note_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         await server.serve()
     finally:
         watchdog.cancel()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return 1 if getattr(engine, "errored", False) else 0
+
+
+def _note_signal(signum: int, frame: Any) -> None:
+    logger.info("%s received: the server has shut down", signal.Signals(signum).name)
 
 
 async def _watch_engine(server: Any, engine: Any, args: argparse.Namespace) -> None:
