@@ -4,7 +4,9 @@ Pure Python (no torch). Every check a user can fail without knowing the model li
 so bad input is rejected at once with a ValueError that says what to change; the checks against the
 model (token ids in the vocabulary, the context length) are the front door's
 (`tokenos.engine.input_processor`), which also turns these parameters into the engine core's own
-`EngineSamplingParams`.
+`EngineSamplingParams`: it truncates the prompt (``truncate_prompt_tokens``) and tokenizes the
+``bad_words``; ``allowed_token_ids`` and ``extra_args`` (read by the engine's custom logits processors,
+`tokenos.sample.logits_processor`) travel as they are.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from tokenos.core.validation import InvalidRequestError, check_int, check_sampling_values
+from tokenos.core.validation import MAX_BAD_WORDS, InvalidRequestError, check_int, check_sampling_values
 
 # Bounds on what one request may carry (lists bounded, as every field is).
 MAX_N = 1024
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORD_CHARS = 1024
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -126,6 +129,15 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # Only these token ids may be sampled (every other logit is -inf before any other stage).
+    allowed_token_ids: list[int] | None = None
+    # Words that must not be generated: the last token of a word's tokens is banned whenever the output
+    # ends with the tokens before it (a one-token word is always banned). vLLM's semantics.
+    bad_words: list[str] | None = None
+    # Keep only the last k prompt tokens (-1: as many as the model can run); None keeps the prompt whole.
+    truncate_prompt_tokens: int | None = None
+    # Arbitrary arguments for the engine's custom logits processors (LLM(logits_processors=[...])).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -134,6 +146,13 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        # vLLM's normal form: a list without repeats ([] when none).
+        if isinstance(self.bad_words, list | tuple):
+            self.bad_words = list(dict.fromkeys(self.bad_words))
+        elif self.bad_words is None:
+            self.bad_words = []
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self._verify()
 
     def _verify(self) -> None:
@@ -150,6 +169,26 @@ class SamplingParams:
             raise InvalidRequestError(
                 "structured_outputs must be a StructuredOutputsParams.", "structured_outputs"
             )
+        self._verify_bad_words()
+        if self.truncate_prompt_tokens is not None:
+            check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, -1)
+            if self.truncate_prompt_tokens == 0:
+                raise InvalidRequestError(
+                    "truncate_prompt_tokens must be an integer >= 1, or -1 (as many as the model can run).",
+                    "truncate_prompt_tokens",
+                )
+
+    def _verify_bad_words(self) -> None:
+        words = self.bad_words
+        if not isinstance(words, list) or any(
+            not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words
+        ):
+            raise InvalidRequestError(
+                f"bad_words must be a list of non-blank strings of at most {MAX_BAD_WORD_CHARS} characters.",
+                "bad_words",
+            )
+        if len(words) > MAX_BAD_WORDS:
+            raise InvalidRequestError(f"At most {MAX_BAD_WORDS} bad_words, got {len(words)}.", "bad_words")
 
     @property
     def greedy(self) -> bool:

@@ -265,3 +265,21 @@ def test_non_stream_disconnect_aborts(live_server, slow_engine):
     assert wait_for(lambda: rid in engine.cancelled and rid in engine.aborted)
     # and the server keeps serving
     assert httpx.post(f"{url}/v1/completions", json={"prompt": "ok", "max_tokens": 1}).status_code == 200
+
+
+def test_truncate_prompt_tokens_and_vllm_xargs_over_http(make_client, fake_engine):
+    client = make_client(fake_engine)
+    long_prompt = "x" * 100  # more than the fake model's 64 positions
+    assert client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 2}).status_code == 400
+    body = {"prompt": long_prompt, "max_tokens": 2, "truncate_prompt_tokens": 10, "vllm_xargs": {"rule": "x"}}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 10
+    call = fake_engine.calls[-1]
+    assert len(call["prompt"].token_ids) == 10 and call["params"].extra_args == {"rule": "x"}
+    chat = {
+        "messages": [{"role": "user", "content": long_prompt}],
+        "max_tokens": 2,
+        "truncate_prompt_tokens": 12,
+    }
+    r = client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200 and len(fake_engine.calls[-1]["prompt"].token_ids) == 12

@@ -91,6 +91,13 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"tool_choice": "required"}, 400, "tool_choice"),
     ("/v1/completions", {"best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"logits_processors": ["x"]}, 400, "logits_processors"),
+    # vLLM's allowed_token_ids / bad_words / truncate_prompt_tokens, checked like every field
+    ("/v1/completions", {"allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ("/v1/completions", {"allowed_token_ids": [1, 5000]}, 400, "allowed_token_ids"),
+    ("/v1/chat/completions", {"bad_words": ["ok", ""]}, 400, "bad_words"),
+    ("/v1/completions", {"bad_words": "word"}, 400, "bad_words"),
+    ("/v1/completions", {"truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    ("/v1/completions", {"truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt_logprobs": -1}, 400, "prompt_logprobs"),
 ]
 
@@ -179,6 +186,16 @@ def test_completion_request_maps_to_sampling_params():
     assert p.ignore_eos and p.include_stop_str_in_output and p.min_tokens == 1 and p.repetition_penalty == 1.1
     assert p.output_kind == RequestOutputKind.DELTA
     assert CompletionRequest(prompt="hi").to_sampling_params().output_kind == RequestOutputKind.FINAL_ONLY
+
+
+def test_vllm_sampling_extras_map_to_sampling_params():
+    fields = {"allowed_token_ids": [3, 4], "bad_words": ["no", "no"], "truncate_prompt_tokens": 8}
+    for request in (
+        CompletionRequest.model_validate({"prompt": "hi", **fields}),
+        ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}], **fields}),
+    ):
+        p = request.to_sampling_params()
+        assert (p.allowed_token_ids, p.bad_words, p.truncate_prompt_tokens) == ([3, 4], ["no"], 8)
 
 
 def test_chat_max_tokens_default_to_the_rest_of_the_context():

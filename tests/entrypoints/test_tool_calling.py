@@ -256,3 +256,14 @@ def test_qwen3_without_thinking_and_template_kwargs(make_client):
     full = full_message(chat(client, chat_template_kwargs={"enable_thinking": False}))
     assert full["content"] == "Just the answer." and full["reasoning"] is None
     assert "enable_thinking=False" in engine.tokenizer.decode(engine.calls[0]["prompt"].token_ids)
+
+
+def test_continue_final_message_reaches_the_template(make_client):
+    engine = CannedEngine("three", max_model_len=4096)
+    client = make_client(engine)
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "one, two,"}]
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    assert client.post("/v1/chat/completions", json=body).status_code == 200
+    assert "continue_final_message=True" in engine.tokenizer.decode(engine.calls[-1]["prompt"].token_ids)
+    r = client.post("/v1/chat/completions", json={**body, "add_generation_prompt": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"

@@ -91,3 +91,16 @@ def test_empty_batch() -> None:
     state = SamplingState(max_num_reqs=2, vocab_size=16)
     md = state.make_metadata(0)
     assert md.num_reqs == 0 and md.temperature.shape == torch.Size([0])
+
+
+def test_resumed_seeded_request_goes_on_with_its_draws() -> None:
+    """A request resumed after a preemption with k outputs: its generator has made the k draws (one per
+    sampled token) the uninterrupted request made, so the next draw is the one it would have made."""
+    params = SamplingParams(temperature=1.0, seed=42)
+    first = SamplingState(max_num_reqs=2, vocab_size=16)
+    first.add_request(0, params, [1], [], 2)
+    gen = first.generators[0]
+    expected = [torch.rand(1, generator=gen).item() for _ in range(4)]
+    resumed = SamplingState(max_num_reqs=2, vocab_size=16)
+    resumed.add_request(1, params, [1], [5, 6, 7], 2)
+    assert torch.rand(1, generator=resumed.generators[1]).item() == expected[3]

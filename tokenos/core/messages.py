@@ -7,7 +7,9 @@ sends it (`tokenos.engine.input_processor`); the core keeps only the checks it m
 
 - `EngineSamplingParams`: what the engine core and the worker need of a user's `SamplingParams` (no
   stop strings, no detokenization options: those stay in the frontend). ``stop_token_ids`` is the user's
-  list, unchanged.
+  list, unchanged. Text never crosses: the user's ``bad_words`` arrive tokenized by the frontend
+  (``bad_words_token_ids``), and ``extra_args`` is passed through untouched to the engine's logits
+  processors (`tokenos.sample.logits_processor`).
 - `EngineCoreRequest`: one sample of one request (the frontend fans n > 1 out into n of them). The EOS
   ids of the model's generation config other than ``eos_token_id`` travel in their own field,
   ``extra_eos_token_ids``: they end a request like EOS (unless ``ignore_eos``, and not below
@@ -19,6 +21,7 @@ sends it (`tokenos.engine.input_processor`); the core keeps only the checks it m
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 
@@ -62,6 +65,13 @@ class EngineSamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_de
     # With a reasoning parser: where the output starts (tokenos.reasoning.ReasoningState; 0: no parser).
     # The grammar constrains only what follows the thinking.
     reasoning: int = 0
+    # Only these ids may be sampled (None: any); applied before every other sampling stage.
+    allowed_token_ids: list[int] | None = None
+    # The user's bad words as token-id sequences (each with and without a leading space, as vLLM
+    # tokenizes them): when the output ends with all but the last id of one, its last id is banned.
+    bad_words_token_ids: list[list[int]] | None = None
+    # Arbitrary user arguments for the engine's custom logits processors (vLLM's extra_args).
+    extra_args: dict[str, Any] | None = None
 
     @property
     def greedy(self) -> bool:

@@ -61,6 +61,9 @@ class EngineArgs:
     override_generation_config: dict | None = None
     max_logprobs: int = 20  # the most top-n logprobs (and prompt logprobs) a request may ask for
     disable_log_stats: bool = False  # serving: no periodic stats line
+    # Custom logits processors (vLLM V1's interface, tokenos.sample.logits_processor): classes, or
+    # "package.module:ClassName" strings (--logits-processors); requests enable them through extra_args.
+    logits_processors: list[str | type] | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -55,6 +55,7 @@ class AsyncLLM:
             reasoning_parser=engine_args.reasoning_parser,
             structured_backend=engine_args.structured_outputs_backend,
             max_logprobs=engine_args.max_logprobs,
+            logits_processors=engine_args.logits_processors,
         )
         self.metrics = metrics
         # Samples in flight (running or waiting in the core); beyond max_in_flight a request is refused.

@@ -30,18 +30,23 @@ GRAMMAR_POLL_S = 0.002
 
 class EngineCore:
     def __init__(self, args: EngineArgs) -> None:
+        from tokenos.sample.logits_processor import load_logits_processors
         from tokenos.worker.model_runner import ModelRunner
 
         t0 = time.perf_counter()
         self.args = args
         model_config, scheduler_config, cache_config = args.create_configs()
         self.model_config = model_config
+        # Custom logits processors: classes or "module:Class" (a bad one fails here, at start-up).
+        self.logits_processors = load_logits_processors(args.logits_processors)
         self.model_runner = ModelRunner(
             model_config,
             cache_config,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
             seed=args.seed,
+            logits_processors=self.logits_processors,
+            scheduler_config=scheduler_config,
         )
         layer_specs = self.model_runner.get_kv_cache_spec()
         self.kv_cache_config = get_kv_cache_config(
@@ -109,6 +114,10 @@ class EngineCore:
         check_prompt_tokens(req.prompt_token_ids, self.model_config.max_model_len, vocab_size)
         check_sampling_values(req.sampling_params)
         check_sampling_for_model(req.sampling_params, vocab_size, max_logprobs=vocab_size)
+        if self.logits_processors:
+            from tokenos.sample.logits_processor import validate_logits_processor_params
+
+            validate_logits_processor_params(self.logits_processors, req.sampling_params)
         request = Request.from_engine_core_request(req)
         spec = req.sampling_params.structured
         if spec is None:

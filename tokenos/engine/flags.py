@@ -176,6 +176,12 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     ),
     Flag(("--max-logprobs",), "max_logprobs", "the most logprobs a request may ask for (20)", type=int),
     Flag(
+        ("--logits-processors",),
+        "logits_processors",
+        "custom logits processors (module:Class, vLLM V1's interface), enabled per request by extra_args",
+        nargs="+",
+    ),
+    Flag(
         ("--reasoning-parser",),
         "reasoning_parser",
         "reasoning models: deepseek_r1 or qwen3 (thinking as reasoning_content; grammars after it)",

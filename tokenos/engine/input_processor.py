@@ -11,7 +11,10 @@
 - conversion (`process`): a user's `SamplingParams` becomes the typed `EngineCoreRequest`s of its n
   samples. Samples 1..n-1 carry ``fork_of`` = sample 0, so the scheduler computes the prompt once and
   forks them from sample 0 (attention pages shared by refcount, recurrent state copied); sample i gets
-  seed + i.
+  seed + i. On the way the prompt keeps only its last ``truncate_prompt_tokens`` tokens (`truncate`,
+  before any check of its length) and the ``bad_words`` become token-id sequences
+  (`bad_words_token_ids`, vLLM's tokenization); the engine's custom logits processors may refuse the
+  parameters (their ``validate_params``).
 
 The engine core checks prompts again with the same functions (`tokenos.core.validation`), so both
 processes speak with one voice.
@@ -30,9 +33,11 @@ from tokenos.core.validation import (
     INT64_MAX,
     INT64_MIN,
     InvalidRequestError,
+    check_bad_words_token_ids,
     check_prompt_tokens,
     check_sampling_for_model,
     check_token_ids,
+    resolve_truncation,
 )
 from tokenos.reasoning import get_reasoning_parser
 from tokenos.sampling_params import RequestOutputKind, SamplingParams
@@ -97,10 +102,14 @@ def sample_seed(seed: int | None, index: int) -> int | None:
 
 
 def engine_sampling_params(
-    params: SamplingParams, seed: int | None, reasoning: int = 0
+    params: SamplingParams,
+    seed: int | None,
+    reasoning: int = 0,
+    bad_words_token_ids: list[list[int]] | None = None,
 ) -> EngineSamplingParams:
-    """What the engine core needs of ``params`` (token-level rules only), with sample's ``seed`` and
-    (with a reasoning parser and a grammar) the `ReasoningState` the output starts in."""
+    """What the engine core needs of ``params`` (token-level rules only), with sample's ``seed``, (with a
+    reasoning parser and a grammar) the `ReasoningState` the output starts in, and the bad words
+    tokenized (`InputProcessor.bad_words_token_ids`)."""
     return EngineSamplingParams(
         temperature=params.temperature,
         top_p=params.top_p,
@@ -119,6 +128,10 @@ def engine_sampling_params(
         prompt_logprobs=params.prompt_logprobs,
         structured=structured_spec(params),
         reasoning=reasoning,
+        allowed_token_ids=list(params.allowed_token_ids) if params.allowed_token_ids is not None else None,
+        bad_words_token_ids=bad_words_token_ids or None,
+        # Its own copy: in-process (LLM) the processors would otherwise share the caller's dict.
+        extra_args=copy.deepcopy(params.extra_args),
     )
 
 
@@ -126,6 +139,21 @@ def structured_spec(params: SamplingParams) -> StructuredSpec | None:
     if params.structured_outputs is None:
         return None
     return StructuredSpec(*params.structured_outputs.spec())
+
+
+def _load_logits_processors(specs: list[Any] | None) -> list[Any]:
+    """The processor classes (imported only when there are any: they are torch code)."""
+    if not specs:
+        return []
+    from tokenos.sample.logits_processor import load_logits_processors
+
+    return load_logits_processors(specs)
+
+
+def _validate_for_processors(classes: list[Any], params: EngineSamplingParams) -> None:
+    from tokenos.sample.logits_processor import validate_logits_processor_params
+
+    validate_logits_processor_params(classes, params)
 
 
 class InputProcessor:
@@ -137,13 +165,16 @@ class InputProcessor:
         max_logprobs: int = 20,
         reasoning_parser: str | None = None,
         structured_backend: str | None = None,
+        logits_processors: list[Any] | None = None,
     ) -> None:
         """``tokenizer`` may be None (``skip_tokenizer_init``: token-id prompts only); ``model_config``
         gives ``max_model_len``, ``vocab_size`` and ``eos_token_ids``; ``max_logprobs`` caps the top-n
         logprobs a request may ask for (vLLM's default, 20); ``reasoning_parser`` names the thinking
         markers of a reasoning model (`tokenos.reasoning`); ``structured_backend`` the grammar backend the
-        engine compiles with (grammars are checked against it)."""
+        engine compiles with (grammars are checked against it); ``logits_processors`` the engine's custom
+        processors (``EngineArgs.logits_processors``), whose ``validate_params`` every request passes."""
         self.tokenizer = tokenizer
+        self.logits_processors = _load_logits_processors(logits_processors)
         self.reasoning_parser = get_reasoning_parser(reasoning_parser) if reasoning_parser else None
         self.structured_backend = backend_name(structured_backend)
         self.max_logprobs = max_logprobs
@@ -257,6 +288,39 @@ class InputProcessor:
             except GrammarError as e:
                 raise InvalidRequestError(str(e), "structured_outputs") from None
 
+    def truncate(self, prompt: Prompt, params: SamplingParams) -> Prompt:
+        """The prompt as it runs: its last ``truncate_prompt_tokens`` tokens (-1: as many as the model can
+        run); its text is kept, as vLLM keeps the prompt's text. Call before checking its length."""
+        keep = resolve_truncation(params.truncate_prompt_tokens, self.max_model_len)
+        if keep is None or len(prompt.token_ids) <= keep:
+            return prompt
+        return Prompt(prompt.token_ids[len(prompt.token_ids) - keep :], prompt.text)
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's tokenization of bad words: each word (leading spaces dropped) alone, and after a space
+        (the same word in the middle of a text) when that gives other tokens of the same count."""
+        if not words:
+            return []
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "bad_words needs the tokenizer, and this engine was started with skip_tokenizer_init: "
+                "ban token ids with logit_bias instead.",
+                "bad_words",
+            )
+        sequences: list[list[int]] = []
+        for word in words:
+            alone = self.encode(word.lstrip(), add_special_tokens=False, param="bad_words")
+            if not alone:
+                raise InvalidRequestError(f"The bad word {word!r} has no tokens.", "bad_words")
+            sequences.append(alone)
+            spaced = self.encode(" " + word.lstrip(), add_special_tokens=False, param="bad_words")
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        check_bad_words_token_ids(sequences)
+        for ids in sequences:
+            check_token_ids(ids, self.vocab_size, "bad_words token", "bad_words")
+        return sequences
+
     def check_context(self, prompt_len: int, max_tokens: int | None, param: str = "max_tokens") -> None:
         """The OpenAI API's rule: the prompt plus the requested completion must fit the context."""
         if max_tokens is not None and prompt_len + max_tokens > self.max_model_len:
@@ -288,9 +352,10 @@ class InputProcessor:
         output_kind: RequestOutputKind | None = None,
     ) -> ProcessedRequest:
         """Tokenize, validate and convert one request; ValueError (InvalidRequestError) when it cannot run."""
-        tokenized = self.tokenize_prompt(prompt)
+        tokenized = self.truncate(self.tokenize_prompt(prompt), params)
         self.check_prompt(tokenized.token_ids)
         self.check_params(params)
+        bad_words = self.bad_words_token_ids(params.bad_words or [])
         params = copy.copy(params)
         if output_kind is not None:
             params.output_kind = output_kind
@@ -301,11 +366,14 @@ class InputProcessor:
         samples: list[EngineCoreRequest] = []
         for i in range(params.n):
             seed = sample_seed(params.seed, i)
+            engine_params = engine_sampling_params(params, seed, reasoning, bad_words)
+            if i == 0 and self.logits_processors:
+                _validate_for_processors(self.logits_processors, engine_params)
             samples.append(
                 EngineCoreRequest(
                     request_id=request_id if params.n == 1 else sample_request_id(i, request_id),
                     prompt_token_ids=tokenized.token_ids,
-                    sampling_params=engine_sampling_params(params, seed, reasoning),
+                    sampling_params=engine_params,
                     eos_token_id=self.eos_token_id,
                     extra_eos_token_ids=self.extra_eos_token_ids,
                     arrival_time=arrival,

@@ -44,6 +44,7 @@ class LLM:
             max_logprobs=self.engine_args.max_logprobs,
             reasoning_parser=self.engine_args.reasoning_parser,
             structured_backend=self.engine_args.structured_outputs_backend,
+            logits_processors=self.engine_args.logits_processors,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.generation_defaults = engine_generation_defaults(self)

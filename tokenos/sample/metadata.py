@@ -11,6 +11,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from tokenos.sample.logits_processor.state import LogitsProcessors
+
 
 @dataclass
 class SamplingMetadata:
@@ -41,6 +43,12 @@ class SamplingMetadata:
     # Top-n logprobs per row (None: none wanted); max over rows, None when no row wants any.
     num_logprobs: list[int | None] = field(default_factory=list)
     max_num_logprobs: int | None = None
+    # Rows restricted to allowed ids: (rows, banned [rows, vocab] bool: True = not allowed), or None.
+    allowed_token_ids: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Rows whose output ends with a bad word's prefix -> the last ids of those words (banned this step).
+    bad_words: dict[int, list[int]] = field(default_factory=dict)
+    # The engine's custom logits processors (None: there are none), fed the batch's changes each step.
+    logitsprocs: LogitsProcessors | None = None
 
     def select_row(self, row: int) -> SamplingMetadata:
         """The metadata of row ``row`` alone (as row 0), sharing its generator: to sample one row by
@@ -55,6 +63,13 @@ class SamplingMetadata:
             keep = rows == row
             if bool(keep.any()):
                 bias = (torch.zeros_like(rows[keep]), cols[keep], vals[keep])
+        allowed = None
+        if self.allowed_token_ids is not None:
+            rows, banned = self.allowed_token_ids
+            keep = rows == row
+            if bool(keep.any()):
+                allowed = (torch.zeros(1, dtype=rows.dtype, device=rows.device), banned[keep])
+        procs = None if self.logitsprocs is None else self.logitsprocs.for_row(row, self.num_reqs)
         greedy = bool(self.greedy_mask[row])
         return replace(
             self,
@@ -76,4 +91,7 @@ class SamplingMetadata:
             min_tokens={0: self.min_tokens[row]} if row in self.min_tokens else {},
             num_logprobs=self.num_logprobs[row : row + 1],
             max_num_logprobs=self.num_logprobs[row],
+            allowed_token_ids=allowed,
+            bad_words={0: self.bad_words[row]} if row in self.bad_words else {},
+            logitsprocs=procs,
         )

@@ -7,7 +7,9 @@ tokens. Conventions follow vLLM (and through it the OpenAI API):
   frequency / presence penalty (over output only): logit -= frequency * count + presence * (count > 0);
   top-k keeps the k largest logits (ties at the k-th value are kept), top-p the smallest set of
   most likely tokens whose probability reaches p (at least one), min-p the tokens whose
-  probability is at least min_p times the largest.
+  probability is at least min_p times the largest;
+  allowed token ids: every other logit is -inf; bad words: a word's last token is -inf when the output
+      ends with the word's other tokens (always, for a one-token word).
 """
 
 from __future__ import annotations
@@ -20,6 +22,27 @@ NEG_INF = float("-inf")
 def apply_logit_bias(logits: torch.Tensor, bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> None:
     rows, cols, vals = bias
     logits.index_put_((rows, cols), vals, accumulate=True)
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Only the allowed ids of the restricted rows stay: ``allowed`` is (rows, banned [rows, vocab])."""
+    rows, banned = allowed
+    if rows.numel() == logits.shape[0]:  # every row restricted (rows are in order): no gather
+        logits.masked_fill_(banned, NEG_INF)
+    else:
+        logits[rows] = logits[rows].masked_fill(banned, NEG_INF)
+
+
+def bad_word_bans(words: list[list[int]], output: list[int]) -> list[int]:
+    """The last ids of the bad words whose other ids the output ends with (vLLM's rule: only generated
+    tokens count, not the prompt)."""
+    banned = []
+    n = len(output)
+    for ids in words:
+        k = len(ids) - 1
+        if k == 0 or (k <= n and output[n - k :] == ids[:k]):
+            banned.append(ids[-1])
+    return banned
 
 
 def apply_token_bans(logits: torch.Tensor, bans: dict[int, list[int]]) -> None:

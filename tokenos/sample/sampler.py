@@ -1,9 +1,11 @@
 """From one step's logits to one token per request.
 
-Order (vLLM's): logit bias -> min_tokens bans -> repetition/presence/frequency penalties ->
-greedy rows take the argmax; random rows go through temperature -> top-k -> top-p -> min-p and
-are drawn by inverse-CDF sampling, from their own generator when seeded. Logprobs, when asked
-for, are of the raw logits (before any of this). Every stage is skipped when no row uses it.
+Order (vLLM V1's): allowed token ids -> bad words -> logit bias -> min_tokens bans -> the custom
+logits processors that can change the argmax -> repetition/presence/frequency penalties -> greedy rows
+take the argmax; random rows go through temperature -> the argmax-invariant custom processors ->
+top-k -> top-p -> min-p and are drawn by inverse-CDF sampling, from their own generator when seeded.
+Logprobs, when asked for, are of the raw logits (before any of this). Every stage is skipped when no row
+uses it (custom processors run whenever the engine has them: they skip their own idle work).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ class Sampler:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
         # Our own float32 copy: the stages below edit it in place and the caller keeps its logits.
         logits = logits.to(torch.float32, copy=True)
-        self.process_logits(logits, metadata)
+        logits = self.process_logits(logits, metadata)
         sampled = self.sample(logits, metadata)
         if raw_logprobs is None:
             logprobs: list[TokenLogprobs | None] = [None] * metadata.num_reqs
@@ -44,12 +46,19 @@ class Sampler:
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
-    def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> None:
-        """The stages every row goes through, greedy or not (in place)."""
+    def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The stages every row goes through, greedy or not (in place, but a custom processor may return
+        a new tensor: use the one returned)."""
+        if md.allowed_token_ids is not None:
+            ops.apply_allowed_token_ids(logits, md.allowed_token_ids)
+        if md.bad_words:
+            ops.apply_token_bans(logits, md.bad_words)
         if md.logit_bias is not None:
             ops.apply_logit_bias(logits, md.logit_bias)
         if md.min_tokens:
             ops.apply_token_bans(logits, md.min_tokens)
+        if md.logitsprocs is not None and md.logitsprocs.non_argmax_invariant:
+            logits = md.logitsprocs.apply_each(md.logitsprocs.non_argmax_invariant, logits)
         if not md.no_penalties:
             assert md.presence_penalties is not None and md.frequency_penalties is not None
             assert md.repetition_penalties is not None
@@ -61,6 +70,7 @@ class Sampler:
                 md.frequency_penalties,
                 md.repetition_penalties,
             )
+        return logits
 
     @staticmethod
     def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -69,6 +79,8 @@ class Sampler:
             assert greedy is not None
             return greedy
         logits.div_(md.temperature.unsqueeze(1))
+        if md.logitsprocs is not None and md.logitsprocs.argmax_invariant:
+            logits = md.logitsprocs.apply_each(md.logitsprocs.argmax_invariant, logits)
         if md.top_k is not None:
             ops.apply_top_k(logits, md.top_k)
         if md.top_p is not None:

@@ -4,8 +4,13 @@ The worker keeps requests in rows 0..num_reqs-1 across steps and only tells this
 changed: a request arrived (`add_request`), left (`remove_request`), moved to close a gap
 (`move_row`), or got a token (`append_output`). Scalar parameters live in preallocated CPU tensors
 of `max_num_reqs` entries, so building a step's `SamplingMetadata` is a slice, and it is rebuilt
-only when the batch changed; otherwise the cached one is reused with just the min_tokens rows
-refreshed. Nothing here is vocab-sized: penalties are computed from the token id lists at sampling.
+only when the batch changed; otherwise the cached one is reused with just the rows that depend on the
+output so far refreshed (min_tokens, bad words). Nothing here is vocab-sized: penalties are computed from
+the token id lists at sampling, and the allowed-token mask is built with the metadata, for the rows that
+have one.
+
+Bad words are matched against the output tokens only (vLLM's rule), so they need no state of their
+own: a request resumed after a preemption comes back with its outputs and bans exactly what it banned.
 """
 
 from __future__ import annotations
@@ -16,13 +21,23 @@ from collections.abc import Sequence
 import torch
 
 from tokenos.core.messages import EngineSamplingParams
+from tokenos.sample import ops
+from tokenos.sample.logits_processor.state import LogitsProcessors
 from tokenos.sample.metadata import SamplingMetadata
 
 _GREEDY_EPS = 1e-5
 
 
 class SamplingState:
-    def __init__(self, max_num_reqs: int, vocab_size: int, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        logitsprocs: LogitsProcessors | None = None,
+    ) -> None:
+        """``logitsprocs``: the engine's custom logits processors (the batch keeps them up to date), handed
+        to the sampler with every metadata."""
         self.max_num_reqs = max_num_reqs
         self.vocab_size = vocab_size
         self.device = torch.device(device)
@@ -44,6 +59,10 @@ class SamplingState:
         self.num_logprobs: list[int | None] = [None] * n
         self.prompt_token_ids: list[list[int]] = [[] for _ in range(n)]
         self.output_token_ids: list[list[int]] = [[] for _ in range(n)]
+        self.allowed_token_ids: list[list[int] | None] = [None] * n  # sorted, unique
+        self.bad_words: list[list[list[int]] | None] = [None] * n
+        self.num_bad_words_rows = 0  # rows with bad words: none, and the per-step matching is skipped
+        self.logitsprocs = logitsprocs if logitsprocs else None
         self._cached: SamplingMetadata | None = None
 
     # ------------------------------------------------------------ changes
@@ -58,7 +77,8 @@ class SamplingState:
         stop_token_ids: Sequence[int] = (),
     ) -> None:
         """Put a request in `row` (empty or about to be overwritten). `output_token_ids` is what it
-        generated before a preemption; the list is copied, later tokens come via `append_output`.
+        generated before a preemption (its seeded generator skips the draws those took); the list is
+        copied, later tokens come via `append_output`.
         `stop_token_ids` (and the EOS unless ignore_eos) cannot be sampled below min_tokens."""
         self._check_row(row)
         greedy = params.temperature < _GREEDY_EPS
@@ -76,14 +96,26 @@ class SamplingState:
         if eos_token_id is not None and not params.ignore_eos:
             stop.add(eos_token_id)
         self.stop_ids[row] = sorted(t for t in stop if 0 <= t < self.vocab_size)
-        self.generators[row] = self._make_generator(params.seed) if params.seed is not None else None
+        self.generators[row] = (
+            None if params.seed is None else self._make_generator(params.seed, len(output_token_ids))
+        )
         # Ids beyond the model's vocabulary can never be sampled, so their bias is moot.
         bias = {t: b for t, b in (params.logit_bias or {}).items() if 0 <= t < self.vocab_size}
         self.logit_bias[row] = bias or None
         self.num_logprobs[row] = params.logprobs
         self.prompt_token_ids[row] = list(prompt_token_ids)
         self.output_token_ids[row] = list(output_token_ids)
+        allowed = params.allowed_token_ids
+        self.allowed_token_ids[row] = (
+            None if allowed is None else sorted({t for t in allowed if 0 <= t < self.vocab_size})
+        )
+        self._set_bad_words(row, getattr(params, "bad_words_token_ids", None))
         self._cached = None
+
+    def _set_bad_words(self, row: int, sequences: list[list[int]] | None) -> None:
+        self.num_bad_words_rows -= self.bad_words[row] is not None
+        self.bad_words[row] = [list(ids) for ids in sequences] if sequences else None
+        self.num_bad_words_rows += self.bad_words[row] is not None
 
     def remove_request(self, row: int) -> None:
         self._check_row(row)
@@ -98,8 +130,10 @@ class SamplingState:
             return
         for t in self._tensors():
             t[dst] = t[src]
+        self._set_bad_words(dst, None)  # the request in dst is dropped (its count with it)
         for lst in self._lists():
             lst[dst] = lst[src]
+        self.bad_words[src] = None  # moved, not dropped: the count stays
         self._clear(src)
         self._cached = None
 
@@ -132,6 +166,7 @@ class SamplingState:
         if md is None or md.num_reqs != num_reqs:
             md = self._cached = self._build(num_reqs)
         md.min_tokens = self._min_token_bans(num_reqs)
+        md.bad_words = self._bad_word_bans(num_reqs) if self.num_bad_words_rows else {}
         if discard_rows:
             md = _copy_without_generators(md, discard_rows)
         return md
@@ -169,7 +204,27 @@ class SamplingState:
             logit_bias=self._logit_bias_triple(n),
             num_logprobs=self.num_logprobs[:n],
             max_num_logprobs=max((k for k in self.num_logprobs[:n] if k is not None), default=None),
+            allowed_token_ids=self._allowed_mask(n),
+            logitsprocs=self.logitsprocs,
         )
+
+    def _allowed_mask(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, banned [rows, vocab] bool) for the rows restricted to allowed ids; None: no row is."""
+        rows = [r for r in range(n) if self.allowed_token_ids[r] is not None]
+        if not rows:
+            return None
+        banned = torch.ones(len(rows), self.vocab_size, dtype=torch.bool)
+        for i, r in enumerate(rows):
+            banned[i, self.allowed_token_ids[r]] = False
+        return torch.tensor(rows, dtype=torch.int64).to(self.device), banned.to(self.device)
+
+    def _bad_word_bans(self, n: int) -> dict[int, list[int]]:
+        bans = {}
+        for r in range(n):
+            words = self.bad_words[r]
+            if words is not None and (banned := ops.bad_word_bans(words, self.output_token_ids[r])):
+                bans[r] = banned
+        return bans
 
     def _seeded_generators(self, n: int) -> dict[int, torch.Generator]:
         # Greedy rows never draw, so a seed on them is moot.
@@ -214,9 +269,14 @@ class SamplingState:
 
     # ------------------------------------------------------------ helpers
 
-    def _make_generator(self, seed: int) -> torch.Generator:
+    def _make_generator(self, seed: int, num_drawn: int = 0) -> torch.Generator:
+        """A seeded generator that already made ``num_drawn`` draws: a request resumed after a preemption
+        drew once per token it sampled (`ops.random_sample`), so it goes on with the draws it would have
+        made had it never stopped."""
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
+        for _ in range(num_drawn):
+            torch.rand(1, generator=gen, device=gen.device)
         return gen
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
@@ -241,6 +301,8 @@ class SamplingState:
             self.num_logprobs,
             self.prompt_token_ids,
             self.output_token_ids,
+            self.allowed_token_ids,
+            self.bad_words,
         )
 
     def _clear(self, row: int) -> None:
@@ -261,6 +323,8 @@ class SamplingState:
         self.num_logprobs[row] = None
         self.prompt_token_ids[row] = []
         self.output_token_ids[row] = []
+        self.allowed_token_ids[row] = None
+        self._set_bad_words(row, None)
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.max_num_reqs:

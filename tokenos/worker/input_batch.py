@@ -6,6 +6,11 @@ is preempted (`remove_requests`), scheduled in a step or not: its token ids, cou
 `gather_scheduled` swaps rows so the scheduled requests occupy rows ``[0, n)``, which is what the step's
 input layout and the sampler read; usually nothing moves. When requests leave, the last rows move into
 the holes, so per-step work is proportional to what changed, not to the batch size.
+
+The engine's custom logits processors (`tokenos.sample.logits_processor`) are told none of those
+moves one by one: every request gets a key when it is added, the key moves with its row, and once per
+step `update_logits_processors` compares the keys of the rows they saw last step with this step's and
+tells them the difference as one `BatchUpdate`.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from tokenos.core.messages import EngineSamplingParams
+from tokenos.sample.logits_processor import AddedRequest, LogitsProcessors, batch_update
 from tokenos.sample.state import SamplingState
 
 
@@ -63,6 +69,7 @@ class InputBatch:
         max_model_len: int,
         max_blocks_per_group: list[int],
         vocab_size: int,
+        logitsprocs: LogitsProcessors | None = None,
     ) -> None:
         self.max_num_reqs = max_num_reqs
         self.max_model_len = max_model_len
@@ -74,9 +81,15 @@ class InputBatch:
         self.num_prompt_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         self.block_tables = [BlockTable(max_num_reqs, n) for n in max_blocks_per_group]
-        self.sampling = SamplingState(max_num_reqs, vocab_size)
+        self.logitsprocs = logitsprocs if logitsprocs else None
+        self.sampling = SamplingState(max_num_reqs, vocab_size, logitsprocs=self.logitsprocs)
         # row -> top-n of the prompt logprobs that request wants (rows without an entry want none).
         self.prompt_logprobs: dict[int, int] = {}
+        # Per row: the request's key (unique per add) and parameters, for the logits processors.
+        self.row_keys: list[int | None] = [None] * max_num_reqs
+        self.row_params: list[EngineSamplingParams | None] = [None] * max_num_reqs
+        self._next_key = 0
+        self._seen_keys: list[int | None] = []  # the rows the processors saw last step
 
     # ------------------------------------------------------------ membership
 
@@ -114,6 +127,8 @@ class InputBatch:
         )
         if sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs[row] = sampling_params.prompt_logprobs
+        self.row_keys[row], self.row_params[row] = self._next_key, sampling_params
+        self._next_key += 1
         return row
 
     def remove_requests(self, req_ids: Collection[str]) -> None:
@@ -126,6 +141,7 @@ class InputBatch:
             self.req_ids[row] = None
             self.sampling.remove_request(row)
             self.prompt_logprobs.pop(row, None)
+            self.row_keys[row] = self.row_params[row] = None
             holes.append(row)
         if holes:
             self._condense(sorted(holes))
@@ -156,6 +172,8 @@ class InputBatch:
         self.sampling.move_row(src, dst)
         if src in self.prompt_logprobs:
             self.prompt_logprobs[dst] = self.prompt_logprobs.pop(src)
+        for per_row in (self.row_keys, self.row_params):
+            per_row[dst], per_row[src] = per_row[src], None
 
     def swap_rows(self, a: int, b: int) -> None:
         ra, rb = self.req_ids[a], self.req_ids[b]
@@ -174,6 +192,8 @@ class InputBatch:
             self.prompt_logprobs[b] = pa
         if pb is not None:
             self.prompt_logprobs[a] = pb
+        for per_row in (self.row_keys, self.row_params):
+            per_row[a], per_row[b] = per_row[b], per_row[a]
 
     def gather_scheduled(self, scheduled: Collection[str]) -> int:
         """Swap rows so that rows ``[0, n)`` hold exactly the requests in `scheduled`; returns n."""
@@ -187,6 +207,23 @@ class InputBatch:
             for a, b in zip(misplaced, outside, strict=True):
                 self.swap_rows(a, b)
         return n
+
+    # ------------------------------------------------------------ logits processors
+
+    def update_logits_processors(self, n: int) -> None:
+        """Tell the logits processors (if any) how rows ``[0, n)``, this step's batch, differ from the
+        rows they saw last step; call after `gather_scheduled`, before sampling."""
+        if self.logitsprocs is None:
+            return
+        now = self.row_keys[:n]
+        self.logitsprocs.update_state(batch_update(self._seen_keys, now, self._added))
+        self._seen_keys = now
+
+    def _added(self, row: int, index: int) -> AddedRequest:
+        params = self.row_params[row]
+        assert params is not None
+        # The live output list: sampled tokens are appended to it (`append_token`).
+        return (index, params, self.sampling.prompt_token_ids[row], self.sampling.output_token_ids[row])
 
     # ------------------------------------------------------------ per-step updates
 

@@ -7,16 +7,21 @@ numpy, make the copy-on-write and state copies the scheduler asked for, run the 
 `ForwardBatch`, sample the last position of every request whose prompt is complete, and append the
 sampled tokens to the batch rows. Requests still in the middle of their prompt (a partial chunk) get
 nothing sampled. The model never sees groups: `ForwardBatch` gives each of its cache layers its own entry.
+
+Per-row constraints on the logits, before the sampler: grammar bitmasks (the structured-output rows);
+in the sampler: allowed token ids, bad words, and the engine's custom logits processors (built here,
+once, from the classes the engine was given, and told the batch's changes every step).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from tokenos.config import CacheConfig
+from tokenos.config import CacheConfig, SchedulerConfig
 from tokenos.core.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaSpec, cdiv
 from tokenos.core.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenos.layers import cpu_kernels
@@ -27,6 +32,7 @@ from tokenos.layers.recurrent_batch import RecurrentBatch
 from tokenos.models import build_model
 from tokenos.models.config import ModelConfig
 from tokenos.platform import configure_threads, cpu_summary, dtype_name, native_bf16_supported
+from tokenos.sample.logits_processor import EngineConfig, LogitsProcessor, build_logits_processors
 from tokenos.sample.metadata import SamplingMetadata
 from tokenos.sample.sampler import Sampler, compute_prompt_logprobs
 from tokenos.worker.input_batch import InputBatch
@@ -51,7 +57,11 @@ class ModelRunner:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         seed: int = 0,
+        logits_processors: Sequence[type[LogitsProcessor]] = (),
+        scheduler_config: SchedulerConfig | None = None,
     ) -> None:
+        """``logits_processors``: custom processor classes (`tokenos.sample.logits_processor`), each built
+        once with the engine's configs (``scheduler_config`` among them)."""
         torch.manual_seed(seed)
         self.num_threads = configure_threads()
         self.model_config = model_config
@@ -61,6 +71,12 @@ class ModelRunner:
         self.max_model_len = model_config.max_model_len
         self.model = build_model(model_config)
         self.sampler = Sampler()
+        self.logits_processor_classes = list(logits_processors)
+        self.scheduler_config = scheduler_config or SchedulerConfig(
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+            max_model_len=model_config.max_model_len,
+        )
         self.kv_caches: list = []
         self.input_batch: InputBatch | None = None
         self.group_specs: list[KVCacheSpec] = []
@@ -100,8 +116,13 @@ class ModelRunner:
             g: [i for i, eg in enumerate(self.entry_groups) if eg == g] for g in range(len(groups))
         }
         max_blocks = [cdiv(self.max_model_len, spec.block_size) for spec in self.group_specs]
+        config = EngineConfig(self.model_config, self.scheduler_config, self.cache_config)
         self.input_batch = InputBatch(
-            self.max_num_seqs, self.max_model_len, max_blocks, self.model_config.vocab_size
+            self.max_num_seqs,
+            self.max_model_len,
+            max_blocks,
+            self.model_config.vocab_size,
+            logitsprocs=build_logits_processors(self.logits_processor_classes, config),
         )
 
     # ------------------------------------------------------------------ state
@@ -144,6 +165,7 @@ class ModelRunner:
             return ModelRunnerOutput([], {}, [])
         scheduled = scheduler_output.num_scheduled_tokens
         n = batch.gather_scheduled(scheduled)
+        batch.update_logits_processors(n)
         req_ids: list[str] = batch.req_ids[:n]  # type: ignore[assignment]
         inputs = prepare_step_inputs(
             batch.token_ids, batch.num_computed_tokens[:n], [scheduled[r] for r in req_ids]

@@ -194,15 +194,11 @@ _STRUCTURED_FIELDS = {
 _UNSUPPORTED_SAMPLING = {
     "guided_whitespace_pattern": (_unset, "guided_whitespace_pattern is not supported"),
     "logits_processors": (_unset, "logits_processors are not supported"),
-    "allowed_token_ids": (_unset, "allowed_token_ids is not supported yet"),
-    "bad_words": (_unset, "bad_words is not supported yet"),
-    "truncate_prompt_tokens": (_unset, "truncate_prompt_tokens is not supported yet"),
 }
 _UNSUPPORTED_CHAT = {
     "functions": (_no_tools, "functions is deprecated and not supported: use tools"),
     "function_call": (_no_tool_choice, "function_call is deprecated and not supported: use tool_choice"),
     "documents": (_unset, "documents are not supported yet"),
-    "continue_final_message": (lambda v: not v, "continue_final_message is not supported yet"),
 }
 
 
@@ -239,6 +235,12 @@ class SamplingFields(RequestModel):
     spaces_between_special_tokens: bool = True
     # vLLM's: the top-n logprobs of every prompt token (the first has none), returned as prompt_logprobs.
     prompt_logprobs: Annotated[int | None, Field(ge=0)] = None
+    # vLLM's: only these ids may be sampled; words never to generate; keep the prompt's last k tokens.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: Annotated[int | None, Field(ge=-1)] = None
+    # vLLM's: the request's extra_args, read by the engine's custom logits processors.
+    vllm_xargs: dict[str, str | int | float | bool | list[str | int | float]] | None = None
 
     def requested_max_tokens(self) -> int | None:
         raise NotImplementedError
@@ -329,6 +331,10 @@ class SamplingFields(RequestModel):
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
                 structured_outputs=structured,
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
+                extra_args=self.vllm_xargs,
             )
         except InvalidRequestError as e:
             raise OpenAIError(e.message, param=e.param) from e
@@ -451,6 +457,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the last (assistant) message is continued, not answered
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True

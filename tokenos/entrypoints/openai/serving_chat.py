@@ -53,6 +53,7 @@ from tokenos.entrypoints.openai.serving_engine import (
 )
 from tokenos.entrypoints.openai.tool_choice import is_forced, template_renders_tools
 from tokenos.reasoning import ReasoningState
+from tokenos.sampling_params import SamplingParams
 from tokenos.tool_parsers import NamedToolParser, RequiredToolsParser, ToolParser, get_tool_parser
 
 
@@ -76,6 +77,13 @@ class OpenAIServingChat(OpenAIServing):
         kwargs = dict(request.chat_template_kwargs or {})
         if tools is not None:
             kwargs["tools"] = tools
+        if getattr(request, "continue_final_message", False):
+            if request.add_generation_prompt:
+                raise OpenAIError(
+                    "continue_final_message continues the last message: set add_generation_prompt to false.",
+                    param="continue_final_message",
+                )
+            kwargs["continue_final_message"] = True
         return self.input_processor.render_chat(
             request.template_messages(),
             chat_template=request.chat_template,
@@ -83,8 +91,9 @@ class OpenAIServingChat(OpenAIServing):
             **kwargs,
         )
 
-    def _prepare_prompt(self, request: ChatCompletionRequest, max_tokens: int | None) -> Prompt:
-        """The rendered, tokenized, checked conversation (in a worker thread)."""
+    def _prepare_prompt(self, request: ChatCompletionRequest, params: SamplingParams) -> Prompt:
+        """The rendered, tokenized, truncated (truncate_prompt_tokens), checked conversation (in a worker
+        thread)."""
         tools = request.tool_dicts()
         if tools and request.resolved_tool_choice() != "none":
             template = self.input_processor.active_chat_template(request.chat_template)
@@ -95,9 +104,9 @@ class OpenAIServingChat(OpenAIServing):
                     "for ChatML models) or send chat_template with the request.",
                     param="tools",
                 )
-        prompt = self.render_prompt(request, tools)
+        prompt = self.input_processor.truncate(self.render_prompt(request, tools), params)
         self.input_processor.check_prompt(prompt.token_ids, "messages")
-        self.input_processor.check_context(len(prompt.token_ids), max_tokens)
+        self.input_processor.check_context(len(prompt.token_ids), params.max_tokens)
         return prompt
 
     async def create_chat_completion(
@@ -110,7 +119,7 @@ class OpenAIServingChat(OpenAIServing):
         params = request.to_sampling_params(self.input_processor.structured_backend)
         tool_parser = self._tool_parser(request)
         self.input_processor.check_params(params)
-        prompt = await self.off_loop(self._prepare_prompt, request, params.max_tokens)
+        prompt = await self.off_loop(self._prepare_prompt, request, params)
         request_id = random_id("chatcmpl")
         try:  # admission happens here, before any byte of the response: refusals keep their status
             generator = self.engine.generate(

@@ -68,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def _prepare_prompts(self, request: CompletionRequest, params: SamplingParams) -> list[Prompt]:
         """Every prompt tokenized and checked (in a worker thread: prompts may be large)."""
         door = self.input_processor
-        prompts = [self._tokenize(p, request.echo) for p in request.prompts()]
+        prompts = [door.truncate(self._tokenize(p, request.echo), params) for p in request.prompts()]
         for prompt in prompts:
             door.check_prompt(prompt.token_ids)
             door.check_context(len(prompt.token_ids), params.max_tokens)
