@@ -172,8 +172,11 @@ def test_engine_core_fails_a_bad_grammar_alone_and_aborts_pending(llm):
     assert done["good"].finish_reason == int(FinishReason.LENGTH) and done["good"].error is None
     choice = EngineSamplingParams(temperature=0.0, max_tokens=5, structured=StructuredSpec("choice", '["a"]'))
     core.add_request(EngineCoreRequest(request_id="gone", prompt_token_ids=[5], sampling_params=choice))
+    # waiting for its grammar counts as waiting (vLLM's num_requests_waiting), deferred, not for capacity
+    stats = core.get_stats()
+    assert stats["num_waiting"] == 1 and stats["num_waiting_deferred"] == 1
     core.abort_requests(["gone"])
-    assert not core.has_unfinished_requests()
+    assert not core.has_unfinished_requests() and core.get_stats()["num_waiting"] == 0
 
 
 def test_grammar_with_stop_strings_penalties_and_min_tokens(llm):

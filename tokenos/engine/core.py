@@ -202,7 +202,12 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def get_stats(self) -> dict:
-        return self.scheduler.make_stats()
+        stats = self.scheduler.make_stats()
+        pending = self.structured.num_pending if self.structured is not None else 0
+        if pending:  # waiting for their grammar to compile: waiting, as vLLM counts them, not for capacity
+            stats["num_waiting"] += pending
+            stats["num_waiting_deferred"] = stats.get("num_waiting_deferred", 0) + pending
+        return stats
 
     def get_model_info(self) -> dict:
         return {
