@@ -78,8 +78,8 @@ def run(args: argparse.Namespace) -> dict:
         if args.workload
         else f"random-{args.input_len}-{args.output_len}",
         "requests": len(rows),
-        "dtype": args.dtype,
-        "prefix_caching": args.enable_prefix_caching,
+        "dtype": llm.engine_args.dtype,
+        "prefix_caching": llm.engine_args.enable_prefix_caching,  # as resolved (the flag may be unset)
         "wall_s": round(wall, 2),
         "requests_s": round(len(rows) / wall, 2),
         "input_tok_s": round(n_in / wall, 1),
