@@ -41,12 +41,21 @@ SAMPLING_FIELDS = [
     "temperature", "top_p", "top_k", "min_p", "seed", "n", "max_tokens", "min_tokens", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "logit_bias", "stop", "stop_token_ids", "logprobs", "priority",
     "cache_salt", "ignore_eos", "stream", "stream_options", "best_of", "response_format", "user", "model",
+    "prompt_logprobs", "allowed_token_ids", "bad_words", "truncate_prompt_tokens", "vllm_xargs",
+    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_decoding_backend",
 ]  # fmt: skip
 COMPLETION_FIELDS = [*SAMPLING_FIELDS, "prompt", "echo"]
 CHAT_FIELDS = [
     *SAMPLING_FIELDS, "messages", "max_completion_tokens", "top_logprobs", "chat_template", "tools",
-    "tool_choice", "chat_template_kwargs", "add_generation_prompt",
+    "tool_choice", "chat_template_kwargs", "add_generation_prompt", "parallel_tool_calls",
+    "continue_final_message", "include_reasoning",
 ]  # fmt: skip
+RESPONSES_FIELDS = [
+    "input", "instructions", "max_output_tokens", "temperature", "top_p", "top_logprobs", "stream", "tools",
+    "tool_choice", "parallel_tool_calls", "text", "store", "metadata", "user", "seed", "model",
+    "previous_response_id", "truncation", "include", "background",
+]  # fmt: skip
+RESPONSES = {"input": "hi", "max_output_tokens": 3}
 
 
 TOKENIZE_FIELDS = ["prompt", "messages", "add_special_tokens", "model"]
@@ -79,6 +88,7 @@ def fuzz_client():
     st.one_of(
         hostile_body(COMPLETION_FIELDS, COMPLETION).map(lambda b: ("/v1/completions", b)),
         hostile_body(CHAT_FIELDS, CHAT).map(lambda b: ("/v1/chat/completions", b)),
+        hostile_body(RESPONSES_FIELDS, RESPONSES).map(lambda b: ("/v1/responses", b)),
         st.dictionaries(
             st.sampled_from(["prompt", "messages", "add_special_tokens", "model"]), HOSTILE_VALUES
         ).map(lambda b: ("/tokenize", b)),
@@ -99,6 +109,7 @@ def test_fuzzed_bodies_never_get_a_5xx(fuzz_client, route_and_body):
 def test_server_still_serves_after_the_fuzz(fuzz_client):
     assert fuzz_client.post("/v1/completions", json=COMPLETION).status_code == 200
     assert fuzz_client.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert fuzz_client.post("/v1/responses", json=RESPONSES).status_code == 200
 
 
 @pytest.mark.parametrize(
