@@ -361,3 +361,21 @@ def test_rejections_and_engine_death_are_visible():
     assert 'tokenos:request_rejected_total{engine="0",model_name="m",reason="queue_full"} 2.0' in text
     assert 'tokenos:engine_dead{engine="0",model_name="m"} 1.0' in text
     assert 'tokenos:engine_core_deaths_total{engine="0",model_name="m"} 1.0' in text
+
+
+def test_tokenos_hit_sources_and_group_pages():
+    """tokenos's own series: hit tokens by source (the core's cumulative counts become increases) and
+    the per-group pages read at scrape time."""
+    from tokenos.engine.metrics import EngineMetrics
+
+    metrics = EngineMetrics("m")
+    metrics.update_from_engine_stats({"prefix_cache_hits_by_source": {"block": 32, "end_checkpoint": 7}})
+    metrics.update_from_engine_stats({"prefix_cache_hits_by_source": {"block": 48, "end_checkpoint": 7}})
+    metrics.update_kv_groups(
+        [{"group": 0, "kind": "full_attention", "pages": 5}, {"group": 1, "kind": "mamba", "pages": 2}]
+    )
+    text = metrics.render().decode()
+    assert 'source="block"} 48.0' in text
+    assert 'source="end_checkpoint"} 7.0' in text and 'source="checkpoint"} 0.0' in text
+    assert 'tokenos:kv_cache_group_pages{engine="0",group="1",kind="mamba",model_name="m"} 2.0' in text
+    assert 'group="0",kind="full_attention",model_name="m"} 5.0' in text

@@ -39,6 +39,14 @@ def test_hybrid_served_matches_offline_and_hits_checkpoints(tiny_hybrid):
             served.append(r.json()["choices"][0]["text"])
         metrics = httpx.get(f"{server.url}/metrics").text
         assert metric(metrics, "vllm:prefix_cache_hits_total{") > 0
+        # tokenos's own: the repeat resumed from a recurrent checkpoint (an end checkpoint or a page's),
+        # and the per-group pages carry the recurrent groups' kind (0 pages: nothing is running now)
+        resumed = sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("tokenos:prefix_cache_hit_tokens_by_source_total{") and "checkpoint" in line
+        )
+        assert resumed > 0 and 'kind="mamba"' in metrics
     finally:
         server.stop()
     llm = LLM(tiny_hybrid, dtype="float32", max_model_len=256)

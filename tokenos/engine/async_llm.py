@@ -149,6 +149,9 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return await self.client.call_utility_async("reset_prefix_cache")
 
+    async def get_kv_groups(self) -> list[dict]:
+        return await self.client.call_utility_async("get_kv_groups")
+
     async def get_stats(self) -> dict:
         return await self.client.call_utility_async("get_stats")
 

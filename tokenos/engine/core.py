@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from tokenos.core.kv_cache.spec import MambaSpec, get_kv_cache_config
+from tokenos.core.kv_cache.spec import MambaSpec, SlidingWindowSpec, get_kv_cache_config
 from tokenos.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from tokenos.core.request import Request, RequestStatus
 from tokenos.core.sched.scheduler import Scheduler
@@ -209,6 +209,15 @@ class EngineCore:
             stats["num_waiting_deferred"] = stats.get("num_waiting_deferred", 0) + pending
         return stats
 
+    def get_kv_groups(self) -> list[dict]:
+        """Per KV-cache group: its kind (full_attention, sliding_window, or mamba: recurrent state) and the
+        pages its requests hold now (for a metrics scrape: it walks every request's blocks)."""
+        pages = self.scheduler.kv_cache_manager.pages_by_group()
+        return [
+            {"group": i, "kind": _group_kind(g.kv_cache_spec), "pages": pages[i]}
+            for i, g in enumerate(self.kv_cache_config.kv_cache_groups)
+        ]
+
     def get_model_info(self) -> dict:
         return {
             "model": model_name(self.model_config),
@@ -217,3 +226,9 @@ class EngineCore:
             "kv_pool_tokens": self.num_kv_tokens,
             "vocab_size": self.model_config.vocab_size,
         }
+
+
+def _group_kind(spec: Any) -> str:
+    if isinstance(spec, MambaSpec):
+        return "mamba"
+    return "sliding_window" if isinstance(spec, SlidingWindowSpec) else "full_attention"

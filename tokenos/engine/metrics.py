@@ -79,6 +79,7 @@ WAITING_REASONS = ("capacity", "deferred")
 REJECT_REASONS = ("queue_full",)
 # Engine-core stats keys that are cumulative counters.
 _CUMULATIVE_STATS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+HIT_SOURCES = ("block", "checkpoint", "end_checkpoint")
 
 
 def build_1_2_5_buckets(max_value: int) -> list[int]:
@@ -334,6 +335,21 @@ class EngineMetrics:
         self.engine_deaths = self._one(
             Counter, "tokenos:engine_core_deaths", "Times the engine core died (it is not restarted)."
         )
+        self.hits_by_source = self._by(
+            Counter,
+            "tokenos:prefix_cache_hit_tokens_by_source",
+            "Prefix-cache hit tokens by what they resumed from: block (full blocks), and for hybrid models "
+            "checkpoint (a page boundary or interval checkpoint of the recurrent state) or end_checkpoint "
+            "(a finished request's exact end state).",
+            "source",
+            HIT_SOURCES,
+        )
+        self.group_pages = self._register(
+            Gauge,
+            "tokenos:kv_cache_group_pages",
+            "Pages held by requests per KV-cache group (kind mamba: recurrent-state pages), at scrape time.",
+            labelnames=(*LABELS, "group", "kind"),
+        )
 
     # ------------------------------------------------------------------ frontend, per sample
 
@@ -429,7 +445,22 @@ class EngineMetrics:
         for key in _CUMULATIVE_STATS:
             if key in stats:
                 self._add_increase(key, stats[key])
+        for source, value in (stats.get("prefix_cache_hits_by_source") or {}).items():
+            self._add_source_increase(source, value)
         self._apply_step(stats)
+
+    def _add_source_increase(self, source: str, value: int) -> None:
+        if source not in self.hits_by_source:
+            return
+        key = f"hits_by_source:{source}"
+        last = self._last_cumulative.get(key, 0)
+        self.hits_by_source[source].inc(value - last if value >= last else value)
+        self._last_cumulative[key] = value
+
+    def update_kv_groups(self, groups: list[dict[str, Any]]) -> None:
+        """The engine core's per-group pages (`EngineCore.get_kv_groups`), read at scrape time."""
+        for g in groups:
+            self.group_pages.labels(*self._labels, str(g["group"]), g["kind"]).set(g["pages"])
 
     def _add_increase(self, key: str, value: float) -> None:
         last = self._last_cumulative.get(key, 0)

@@ -14,6 +14,7 @@ import pytest
 
 from tests.fixtures.checkpoints import VOCAB
 from tests.fixtures.llm import HYBRID, make_llm
+from tokenos.core.messages import EngineCoreRequest, EngineSamplingParams
 
 INTERVAL = 8  # tokens per recurrent checkpoint (the tiny models' attention pages are larger or equal)
 # Greedy tokens identical to transformers' (recomputed without a cache), logprobs within 1e-3.
@@ -67,6 +68,17 @@ def test_three_turn_chat(hybrid):
         if turn:  # the whole previous turn, but its last sampled token (never fed back)
             assert cached[-1] == len(conversation) - 1
         conversation = prompt + list(out[0].outputs[0].token_ids)
+    # the later turns resumed from the previous turn's exact end state
+    assert llm.engine.get_stats()["prefix_cache_hits_by_source"]["end_checkpoint"] == sum(cached[1:])
+    # pages per KV-cache group while a request runs (tokenos:kv_cache_group_pages): recurrent ones too
+    probe = EngineCoreRequest(
+        request_id="probe", prompt_token_ids=conversation, sampling_params=EngineSamplingParams(max_tokens=4)
+    )
+    llm.engine.add_request(probe)
+    llm.engine.step()
+    groups = llm.engine.get_kv_groups()
+    assert "mamba" in {g["kind"] for g in groups} and all(g["pages"] > 0 for g in groups)
+    llm.engine.abort_requests(["probe"])
     hits, queries = hit_rate(llm)
     print(f"\nchat: cached {cached}, hits {hits}/{queries} tokens")
 

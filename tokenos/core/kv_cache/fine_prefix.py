@@ -78,6 +78,9 @@ class FinePrefixCache:
         # Exact checkpoints by the grid hash before them (None: before the first hash block):
         # parent -> {exact key -> tail length}.
         self.tails: dict[BlockHash | None, dict[BlockHash, int]] = {}
+        # Where the last hit came from: "end_checkpoint" (a finished request's exact end) or
+        # "checkpoint" (a grid point: a page boundary or an interval checkpoint).
+        self.last_source = "checkpoint"
         self.indexed: dict[str, int] = {}  # request id -> tokens already in the sub-page index
         per_page = max((m.block_size // hash_block_size for m in self.attn), default=1)
         self.max_sub = 4 * block_pool.num_blocks * per_page
@@ -102,11 +105,13 @@ class FinePrefixCache:
                     if h <= max_length and exact_prefix_hash(self.hash_fn, request, h, hbs) == key:
                         hit = self._resume_at(h, key, full)
                         if hit is not None:
+                            self.last_source = "end_checkpoint"
                             return hit
             # Any grid point: interval checkpoints, and end checkpoints that fell on the grid.
             if i:
                 hit = self._resume_at(i * hbs, hashes[i - 1], full)
                 if hit is not None:
+                    self.last_source = "checkpoint"
                     return hit
         return CacheHit.miss(self.num_groups)
 

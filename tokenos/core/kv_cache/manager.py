@@ -66,6 +66,8 @@ class KVCacheManager:
         # Cumulative prefix-cache counters, in tokens.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # Hit tokens by source: "block" (full blocks); hybrids: "checkpoint" / "end_checkpoint".
+        self.hits_by_source: dict[str, int] = {}
 
     def _make_fine(self, config: KVCacheConfig, hash_fn, checkpoint_at_end: bool) -> FinePrefixCache | None:
         """Fine-grained hybrid hits: end checkpoints (on by default), or a recurrent checkpoint
@@ -95,7 +97,20 @@ class KVCacheManager:
             hit = self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += hit.num_tokens
+        if hit.num_tokens:
+            source = self.fine.last_source if self.fine is not None else "block"
+            self.hits_by_source[source] = self.hits_by_source.get(source, 0) + hit.num_tokens
         return hit
+
+    def pages_by_group(self) -> list[int]:
+        """Pages (other than the null block) held by requests, per KV-cache group; a page shared by
+        several requests (a prefix hit, a fork) counts once. A walk over every request's blocks: for a
+        metrics scrape, not for every step."""
+        pages = []
+        for m in self.coordinator.managers:
+            held = {b.block_id for blocks in m.req_to_blocks.values() for b in blocks if not b.is_null}
+            pages.append(len(held))
+        return pages
 
     def allocate_slots(
         self,

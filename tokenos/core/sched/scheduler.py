@@ -158,6 +158,7 @@ class Scheduler:
             "kv_cache_usage": kv.usage,
             "prefix_cache_queries": kv.prefix_cache_queries,
             "prefix_cache_hits": kv.prefix_cache_hits,
+            "prefix_cache_hits_by_source": dict(kv.hits_by_source),
             "num_preemptions": self.num_preemptions,
             "num_steps": self.num_steps,
             "step_tokens": self.last_step_tokens,

@@ -55,6 +55,7 @@ from tokenos.entrypoints.openai.serving_responses import OpenAIServingResponses
 logger = logging.getLogger("tokenos.server")
 
 HEALTH_POLL_S = 1.0
+KV_GROUPS_TIMEOUT_S = 2.0
 # Routes that answer without the API key: probes a load balancer or Prometheus calls.
 PUBLIC_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 << 20
@@ -205,6 +206,11 @@ def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
             return Response(b"", media_type=CONTENT_TYPE)
         if getattr(engine, "errored", False):
             source.engine_dead.set(1)
+        elif hasattr(engine, "get_kv_groups"):  # a walk over the pool: at scrape time, not every step
+            try:
+                source.update_kv_groups(await asyncio.wait_for(engine.get_kv_groups(), KV_GROUPS_TIMEOUT_S))
+            except Exception as e:  # the rest of the metrics still answer
+                logger.warning("per-group KV pages unavailable for this scrape: %s", e)
         return Response(source.render(), media_type=CONTENT_TYPE)
 
     root = getattr(getattr(engine, "engine_args", None), "model", None)
