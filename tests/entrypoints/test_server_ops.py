@@ -1,10 +1,12 @@
 """What a server operator sees (the real server): the periodic stats line and its off switch, request
-lines with --enable-log-requests, and a clean exit (0, no traceback) on SIGINT and on SIGTERM."""
+lines with --enable-log-requests, a clean exit (0, no traceback) on SIGINT and on SIGTERM, and TLS
+(--ssl-keyfile / --ssl-certfile) behind a proxy path (--root-path)."""
 
 from __future__ import annotations
 
 import re
 import signal
+import ssl
 import time
 
 import httpx
@@ -48,3 +50,60 @@ def test_disable_log_stats(folder, monkeypatch):
     monkeypatch.setenv("TOKENOS_LOG_STATS_INTERVAL_S", "0.5")
     code, out = serve_once(folder, signal.SIGINT, "--disable-log-stats")
     assert code == 0 and "Avg prompt throughput" not in out and "Received request" not in out
+
+
+def self_signed(folder) -> tuple[str, str]:
+    """A key and a certificate for 127.0.0.1 (the certificate is its own CA)."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+        .sign(key, hashes.SHA256())
+    )
+    key_path, cert_path = str(folder / "key.pem"), str(folder / "cert.pem")
+    with open(key_path, "wb") as f:
+        f.write(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+    with open(cert_path, "wb") as f:
+        f.write(cert.public_bytes(serialization.Encoding.PEM))
+    return key_path, cert_path
+
+
+def test_tls_and_root_path(folder, tmp_path):
+    pytest.importorskip("cryptography")
+    key, cert = self_signed(tmp_path)
+    flags = ("--ssl-keyfile", key, "--ssl-certfile", cert, "--root-path", "/api", "--enable-docs")
+    server = Server(folder, *flags)
+    try:
+        server.wait_ready()
+        assert server.url.startswith("https://")
+        trust = ssl.create_default_context(cafile=cert)  # the handshake checks the certificate
+        models = httpx.get(f"{server.url}/v1/models", verify=trust, timeout=30)
+        assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
+        assert {"url": "/api"} in httpx.get(f"{server.url}/openapi.json", verify=trust).json()["servers"]
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(server.url.replace("https", "http") + "/health", timeout=5)  # no plain HTTP
+    finally:
+        server.stop()
