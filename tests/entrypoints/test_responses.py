@@ -6,6 +6,7 @@ The official client against the real server is in test_server_responses."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -134,3 +135,17 @@ def test_reasoning_item(make_client):
 def test_refused(make_client, body, param):
     r = post(make_client(CannedEngine("x", max_model_len=4096)), **body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_numbers_json_cannot_write_are_refused(make_client):
+    """Found by the fuzz test: the response echoes `text`, `tools` and `tool_choice`, so Infinity / NaN
+    (which Python's JSON reader takes) inside them would fail the answer with a 500."""
+    client = make_client(CannedEngine("x", max_model_len=4096))
+    for field, value in [
+        ("text", {"": math.inf}),
+        ("tools", [{"type": "function", "name": "f", "x": math.nan}]),
+    ]:
+        body = json.dumps({"input": "hi", field: value}, allow_nan=True)
+        r = client.post("/v1/responses", content=body, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    assert post(client, metadata={"k": 1}).status_code == 400  # metadata: strings, as OpenAI's

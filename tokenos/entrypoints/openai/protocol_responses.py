@@ -11,10 +11,11 @@ server does not keep (``previous_response_id``, ``conversation``, ``background``
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from tokenos.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -58,9 +59,19 @@ class ResponsesRequest(RequestModel):
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
     store: bool = True
-    metadata: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None  # OpenAI's: string keys and values
     user: str | None = None
     seed: int | None = None
+
+    @model_validator(mode="after")
+    def _finite_numbers(self) -> ResponsesRequest:
+        """The response echoes parts of the request (tools, text, tool_choice): a number JSON cannot
+        write (Infinity, NaN, which Python's reader accepts) is refused here, not met when answering."""
+        fields = {**self.__dict__, **(self.model_extra or {})}
+        for name, value in fields.items():
+            if _holds_nonfinite(value):
+                raise OpenAIError(f"`{name}` holds a number that is not finite.", param=name)
+        return self
 
     def check_refused(self) -> None:
         extra = self.model_extra or {}
@@ -110,6 +121,16 @@ class ResponsesRequest(RequestModel):
         if not messages:
             raise OpenAIError("input must not be empty.", param="input")
         return messages
+
+
+def _holds_nonfinite(value: Any) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_holds_nonfinite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_nonfinite(v) for v in value)
+    return False
 
 
 def _text(content: Any) -> str:
