@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenos.tool_parsers.base import ParsedCall, ParseResult, ToolParser
-from tokenos.tool_parsers.json_calls import read_object_call
+from tokenos.tool_parsers.json_calls import take_object_call
 from tokenos.tool_parsers.json_scan import skip_ws
 
 
@@ -57,15 +57,9 @@ def _parse_array(text: str, pos: int, final: bool) -> ParseResult:
             continue
         if char != "{":
             return done(pos)
-        obj = read_object_call(text, pos, final)
-        if obj.name is None:
-            return done() if obj.resume is None else done(pos)
-        calls.append(ParsedCall(obj.name, obj.arguments))
-        if obj.resume is None:
-            return done()
-        if obj.broken:
-            return done(obj.resume)
-        pos = obj.resume
+        ended, pos = take_object_call(text, pos, final, calls)
+        if ended:
+            return done(pos)
         want_element = False
 
 

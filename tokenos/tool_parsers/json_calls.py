@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenos.tool_parsers.base import ParsedCall
 from tokenos.tool_parsers.json_scan import ObjectScan, scan_object
 
 ARGUMENT_KEYS = ("arguments", "parameters")
@@ -34,6 +35,22 @@ def read_object_call(
     over = scan.closed or scan.broken or final
     resume = scan.stop if over else None
     return ObjectCall(_name(scan), _arguments(text, scan, argument_keys, over), resume, scan.broken)
+
+
+def take_object_call(text: str, pos: int, final: bool, calls: list[ParsedCall]) -> tuple[bool, int | None]:
+    """Read the call object at `pos` of a sequence of them, appending it to `calls` once it has a name.
+    (False, where the next one may start) to go on; (True, where content starts, or None for none)
+    when the sequence ends here: an object without a name becomes content (when over), a broken one
+    hands the rest of the text to content, an incomplete one ends the parse for now."""
+    obj = read_object_call(text, pos, final)
+    if obj.name is None:
+        return True, None if obj.resume is None else pos
+    calls.append(ParsedCall(obj.name, obj.arguments))
+    if obj.resume is None:
+        return True, None
+    if obj.broken:
+        return True, obj.resume
+    return False, obj.resume
 
 
 def _name(scan: ObjectScan) -> str | None:

@@ -122,20 +122,35 @@ def value_span(text: str, start: int) -> tuple[int | None, int | None]:
 
 
 def _nested_span(text: str, start: int) -> tuple[int | None, int | None]:
-    expected = [_CLOSER[text[start]]]
-    pos = start + 1
+    return bracket_span(text, start + 1, _CLOSER[text[start]], _FILLER, {'"': _STRING}, _CLOSER)
+
+
+def bracket_span(
+    text: str,
+    pos: int,
+    closer: str,
+    filler: re.Pattern[str],
+    strings: dict[str, re.Pattern[str]],
+    openers: dict[str, str],
+) -> tuple[int | None, int | None]:
+    """Scan from `pos`, just inside a bracket that `closer` closes: (one past that closer, None);
+    (None, None) while it is still open (also inside an unfinished string); (None, i) at a character
+    that breaks it (a mismatched closer, or one `filler` does not skip). `strings` maps each quote to
+    its string's pattern, `openers` each opening bracket to its closer; the same scan serves JSON values
+    and Python calls."""
+    expected = [closer]
     while True:
-        pos = _FILLER.match(text, pos).end()
+        pos = filler.match(text, pos).end()
         if pos == len(text):
             return None, None
         char = text[pos]
-        if char == '"':
-            string = _STRING.match(text, pos)
+        if char in strings:
+            string = strings[char].match(text, pos)
             if string is None:
                 return None, None
             pos = string.end()
-        elif char in _CLOSER:
-            expected.append(_CLOSER[char])
+        elif char in openers:
+            expected.append(openers[char])
             pos += 1
         elif char == expected[-1]:
             expected.pop()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 
 from tokenos.tool_parsers.base import ParsedCall, ParseResult, ToolParser
-from tokenos.tool_parsers.json_calls import read_object_call
+from tokenos.tool_parsers.json_calls import take_object_call
 from tokenos.tool_parsers.json_scan import skip_ws
 from tokenos.tool_parsers.registry import register_tool_parser
 
@@ -52,12 +52,6 @@ def _parse_objects(text: str, pos: int, final: bool) -> ParseResult:
             return done()
         if text[pos] != "{":
             return done(pos)
-        obj = read_object_call(text, pos, final)
-        if obj.name is None:
-            return done() if obj.resume is None else done(pos)
-        calls.append(ParsedCall(obj.name, obj.arguments))
-        if obj.resume is None:
-            return done()
-        if obj.broken:
-            return done(obj.resume)
-        pos = obj.resume
+        ended, pos = take_object_call(text, pos, final, calls)
+        if ended:
+            return done(pos)

@@ -21,7 +21,7 @@ import json
 import re
 
 from tokenos.tool_parsers.base import ParsedCall, ParseResult, ToolParser
-from tokenos.tool_parsers.json_scan import skip_ws
+from tokenos.tool_parsers.json_scan import bracket_span, skip_ws
 from tokenos.tool_parsers.registry import register_tool_parser
 
 _COMMITTED = re.compile(r"\s*\[\s*[A-Za-z_][\w.]*\s*\(")
@@ -86,28 +86,8 @@ def _parse_list(text: str, pos: int, final: bool) -> ParseResult:
 
 def _call_end(text: str, paren: int) -> int | None:
     """One past the ``)`` matching the ``(`` at `paren`; None while open, _BROKEN on a mismatched bracket."""
-    expected = [")"]
-    pos = paren + 1
-    while True:
-        pos = _FILLER.match(text, pos).end()
-        if pos == len(text):
-            return None
-        char = text[pos]
-        if char in _STRINGS:
-            string = _STRINGS[char].match(text, pos)
-            if string is None:
-                return None
-            pos = string.end()
-        elif char in _CLOSER:
-            expected.append(_CLOSER[char])
-            pos += 1
-        elif char == expected[-1]:
-            expected.pop()
-            pos += 1
-            if not expected:
-                return pos
-        else:
-            return _BROKEN
+    end, broken_at = bracket_span(text, paren + 1, ")", _FILLER, _STRINGS, _CLOSER)
+    return _BROKEN if broken_at is not None else end
 
 
 def _parse_call(source: str) -> ParsedCall | None:
