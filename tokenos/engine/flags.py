@@ -73,6 +73,17 @@ def json_object(value: str) -> dict[str, Any]:
     return parsed
 
 
+def json_list(value: str) -> list[str]:
+    """A JSON list of strings (vLLM's CORS flags: '["*"]')."""
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+        raise argparse.ArgumentTypeError("expected a JSON list of strings, for example '[\"*\"]'")
+    return parsed
+
+
 @dataclass(frozen=True)
 class Flag:
     """One option: its names (vLLM's first), where its value goes, and argparse's settings."""

@@ -11,7 +11,15 @@ import argparse
 import sys
 
 from tokenos.engine.args import EngineArgs
-from tokenos.engine.flags import Flag, add_engine_args, add_flags, engine_kwargs, markdown_table, parse_args
+from tokenos.engine.flags import (
+    Flag,
+    add_engine_args,
+    add_flags,
+    engine_kwargs,
+    json_list,
+    markdown_table,
+    parse_args,
+)
 from tokenos.tool_parsers import TOOL_PARSERS
 
 SERVER_FLAGS: tuple[Flag, ...] = (
@@ -23,21 +31,21 @@ SERVER_FLAGS: tuple[Flag, ...] = (
         ("--allowed-origins",),
         "allowed_origins",
         'CORS: allowed origins, a JSON list (["*"])',
-        type=lambda v: _json_list(v, "--allowed-origins"),
+        type=json_list,
         default=["*"],
     ),
     Flag(
         ("--allowed-methods",),
         "allowed_methods",
         'CORS: allowed methods, a JSON list (["*"])',
-        type=lambda v: _json_list(v, "--allowed-methods"),
+        type=json_list,
         default=["*"],
     ),
     Flag(
         ("--allowed-headers",),
         "allowed_headers",
         'CORS: allowed headers, a JSON list (["*"])',
-        type=lambda v: _json_list(v, "--allowed-headers"),
+        type=json_list,
         default=["*"],
     ),
     Flag(("--allow-credentials",), "allow_credentials", "CORS: allow credentials", action="store_true"),
@@ -97,18 +105,6 @@ SERVER_FLAGS: tuple[Flag, ...] = (
         action="store_true",
     ),
 )
-
-
-def _json_list(value: str, flag: str) -> list[str]:
-    import json
-
-    try:
-        parsed = json.loads(value)
-    except ValueError:
-        parsed = None
-    if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
-        raise argparse.ArgumentTypeError(f"{flag} takes a JSON list of strings, for example '[\"*\"]'")
-    return parsed
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

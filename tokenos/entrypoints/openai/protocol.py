@@ -100,16 +100,20 @@ class StrictModel(BaseModel):
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def _holds_surrogate(value: Any) -> bool:
-    if isinstance(value, str):
-        return _SURROGATE.search(value) is not None
+def holds(value: Any, is_bad: Any) -> bool:
+    """Whether `is_bad` holds for a scalar anywhere inside `value` (model fields, dict keys and values,
+    list items)."""
     if isinstance(value, BaseModel):
-        return any(_holds_surrogate(v) for v in value.__dict__.values())
+        return any(holds(v, is_bad) for v in value.__dict__.values())
     if isinstance(value, dict):
-        return any(_holds_surrogate(k) or _holds_surrogate(v) for k, v in value.items())
+        return any(holds(k, is_bad) or holds(v, is_bad) for k, v in value.items())
     if isinstance(value, list | tuple):
-        return any(_holds_surrogate(v) for v in value)
-    return False
+        return any(holds(v, is_bad) for v in value)
+    return is_bad(value)
+
+
+def _is_surrogate_text(value: Any) -> bool:
+    return isinstance(value, str) and _SURROGATE.search(value) is not None
 
 
 class RequestModel(StrictModel):
@@ -118,11 +122,16 @@ class RequestModel(StrictModel):
 
     @model_validator(mode="after")
     def _valid_unicode(self) -> RequestModel:
-        fields = {**self.__dict__, **(self.model_extra or {})}
-        for name, value in fields.items():
-            if _holds_surrogate(value):
-                raise OpenAIError(f"`{name}` is not valid Unicode (it holds a lone surrogate).", param=name)
+        self.refuse_fields_holding(
+            _is_surrogate_text, "`{name}` is not valid Unicode (it holds a lone surrogate)."
+        )
         return self
+
+    def refuse_fields_holding(self, is_bad: Any, message: str) -> None:
+        """400 naming the first field (known or extra) with a value `is_bad` holds for anywhere inside."""
+        for name, value in {**self.__dict__, **(self.model_extra or {})}.items():
+            if holds(value, is_bad):
+                raise OpenAIError(message.format(name=name), param=name)
 
 
 class StreamOptions(StrictModel):

@@ -67,10 +67,7 @@ class ResponsesRequest(RequestModel):
     def _finite_numbers(self) -> ResponsesRequest:
         """The response echoes parts of the request (tools, text, tool_choice): a number JSON cannot
         write (Infinity, NaN, which Python's reader accepts) is refused here, not met when answering."""
-        fields = {**self.__dict__, **(self.model_extra or {})}
-        for name, value in fields.items():
-            if _holds_nonfinite(value):
-                raise OpenAIError(f"`{name}` holds a number that is not finite.", param=name)
+        self.refuse_fields_holding(_not_finite, "`{name}` holds a number that is not finite.")
         return self
 
     def check_refused(self) -> None:
@@ -123,14 +120,8 @@ class ResponsesRequest(RequestModel):
         return messages
 
 
-def _holds_nonfinite(value: Any) -> bool:
-    if isinstance(value, float):
-        return not math.isfinite(value)
-    if isinstance(value, dict):
-        return any(_holds_nonfinite(v) for v in value.values())
-    if isinstance(value, list | tuple):
-        return any(_holds_nonfinite(v) for v in value)
-    return False
+def _not_finite(value: Any) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
 
 
 def _text(content: Any) -> str:
