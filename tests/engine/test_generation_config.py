@@ -11,7 +11,7 @@ import pytest
 from tests.fixtures.fakes import FakeEngine
 from tests.fixtures.servers import app_client
 from tokenos.engine.args import EngineArgs
-from tokenos.engine.generation_config import generation_defaults
+from tokenos.engine.generation_config import engine_generation_defaults, generation_defaults
 
 QWEN3 = {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20, "eos_token_id": [1, 2]}
 
@@ -42,6 +42,7 @@ def test_server_fills_only_unset_fields(model_dir):
     engine = FakeEngine()
     engine.engine_args = EngineArgs(override_generation_config={"max_new_tokens": 3})
     engine.model_config = SimpleNamespace(**vars(engine.model_config), model_dir=model_dir)
+    engine.generation_defaults = engine_generation_defaults(engine)  # as AsyncLLM reads them
     client = app_client(engine)
     chat = {"messages": [{"role": "user", "content": "x"}]}
     assert client.post("/v1/chat/completions", json=chat).status_code == 200

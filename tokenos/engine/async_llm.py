@@ -21,6 +21,7 @@ from tokenos.engine.core_client import (
     RequestFailedError,
     RequestStream,
 )
+from tokenos.engine.generation_config import engine_generation_defaults
 from tokenos.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from tokenos.engine.output_processor import OutputProcessor
 from tokenos.engine.stat_logger import StatLogger
@@ -47,6 +48,8 @@ class AsyncLLM:
             engine_args.model, dtype=engine_args.dtype, max_model_len=engine_args.max_model_len
         )
         self.served_model_name = engine_args.served_model_name or model_name(self.model_config)
+        # Request defaults from the model's generation config, read once for every endpoint.
+        self.generation_defaults = engine_generation_defaults(self)
         self.tokenizer = load_tokenizer(engine_args.tokenizer or engine_args.model)
         self.input_processor = InputProcessor(
             self.tokenizer,

@@ -23,7 +23,6 @@ from pydantic import BaseModel
 
 from tokenos.core.validation import InvalidRequestError
 from tokenos.engine.core_client import EngineDeadError, EngineOverloadedError, RequestFailedError
-from tokenos.engine.generation_config import engine_generation_defaults
 from tokenos.entrypoints.openai.protocol import OpenAIError, PromptLogprob, UsageInfo
 
 logger = logging.getLogger("tokenos.server")
@@ -126,7 +125,8 @@ class OpenAIServing:
         self.max_model_len: int = engine.model_config.max_model_len
         self.executor = executor  # where front-door work runs (None: the event loop's default pool)
         self.options = options or ServingOptions()
-        self.generation_defaults = engine_generation_defaults(engine)
+        # The engine's (AsyncLLM reads them once); an engine without any has none.
+        self.generation_defaults: dict = getattr(engine, "generation_defaults", None) or {}
 
     def with_defaults(self, request: Any) -> Any:
         """The request with the generation config's defaults in the sampling fields it left unset."""
