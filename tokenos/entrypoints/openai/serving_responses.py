@@ -171,6 +171,10 @@ class _Events:
         added["status"] = "in_progress"
         return [self.event("response.output_item.added", output_index=index, item=added)]
 
+    def item_event(self, kind: str, index: int, item: Any, **fields: Any) -> str:
+        """An event about output item `item` (at `index`)."""
+        return self.event(kind, item_id=item.id, output_index=index, **fields)
+
     def text_delta(self, key: str, text: str) -> list[str]:
         out: list[str] = []
         if key not in self.open:
@@ -178,24 +182,24 @@ class _Events:
                 out += self.add_item(key, ReasoningItem(id=_id("rs"), content=[ReasoningText(text="")]))
             else:
                 out += self.add_item(key, OutputMessage(id=_id("msg"), content=[OutputText(text="")]))
-                index, item = self.open[key]
                 part = {"type": "output_text", "text": "", "annotations": []}
                 out.append(
-                    self.event(
-                        "response.content_part.added",
-                        item_id=item.id,
-                        output_index=index,
-                        content_index=0,
-                        part=part,
+                    self.item_event(
+                        "response.content_part.added", *self.open[key], content_index=0, part=part
                     )
                 )
         index, item = self.open[key]
         item.content[0].text += text
-        kind = "response.reasoning_text.delta" if key == "reasoning" else "response.output_text.delta"
-        extra = {} if key == "reasoning" else {"logprobs": []}
-        out.append(
-            self.event(kind, item_id=item.id, output_index=index, content_index=0, delta=text, **extra)
-        )
+        if key == "reasoning":
+            out.append(
+                self.item_event("response.reasoning_text.delta", index, item, content_index=0, delta=text)
+            )
+        else:
+            out.append(
+                self.item_event(
+                    "response.output_text.delta", index, item, content_index=0, delta=text, logprobs=[]
+                )
+            )
         return out
 
     def call_delta(self, call: dict[str, Any]) -> list[str]:
@@ -214,11 +218,8 @@ class _Events:
         if function.get("arguments"):
             item.arguments += function["arguments"]
             out.append(
-                self.event(
-                    "response.function_call_arguments.delta",
-                    item_id=item.id,
-                    output_index=index,
-                    delta=function["arguments"],
+                self.item_event(
+                    "response.function_call_arguments.delta", index, item, delta=function["arguments"]
                 )
             )
         return out
@@ -229,44 +230,23 @@ class _Events:
             if key == "message":
                 text = item.content[0].text
                 out.append(
-                    self.event(
-                        "response.output_text.done",
-                        item_id=item.id,
-                        output_index=index,
-                        content_index=0,
-                        text=text,
-                        logprobs=[],
+                    self.item_event(
+                        "response.output_text.done", index, item, content_index=0, text=text, logprobs=[]
                     )
                 )
                 part = item.content[0].model_dump()
                 out.append(
-                    self.event(
-                        "response.content_part.done",
-                        item_id=item.id,
-                        output_index=index,
-                        content_index=0,
-                        part=part,
-                    )
+                    self.item_event("response.content_part.done", index, item, content_index=0, part=part)
                 )
             elif key == "reasoning":
                 text = item.content[0].text
                 out.append(
-                    self.event(
-                        "response.reasoning_text.done",
-                        item_id=item.id,
-                        output_index=index,
-                        content_index=0,
-                        text=text,
-                    )
+                    self.item_event("response.reasoning_text.done", index, item, content_index=0, text=text)
                 )
             else:
+                args = item.arguments
                 out.append(
-                    self.event(
-                        "response.function_call_arguments.done",
-                        item_id=item.id,
-                        output_index=index,
-                        arguments=item.arguments,
-                    )
+                    self.item_event("response.function_call_arguments.done", index, item, arguments=args)
                 )
             out.append(self.event("response.output_item.done", output_index=index, item=item.model_dump()))
         self.open.clear()
