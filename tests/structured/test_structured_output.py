@@ -222,21 +222,25 @@ NESTED = {
 }
 
 
-def test_every_sampled_answer_validates_against_a_nested_schema(llm):
-    """Temperature 1.0 over 320 samples of a random model: nested objects, arrays, enums, bounded
-    integers, a string pattern, required fields; every answer must validate (jsonschema)."""
+def check_nested_samples(llm: LLM, num_prompts: int, seed: int) -> None:
+    """8 temperature-1 samples of the nested schema per prompt: every one stops and validates."""
     jsonschema = pytest.importorskip("jsonschema")
-    so = SO(json=NESTED, disable_any_whitespace=True)
     outs = llm.generate(
-        [f"Record {i}: " for i in range(40)],
-        params(so, temperature=1.0, n=8, seed=11, max_tokens=200),
+        [f"Record {i}: " for i in range(num_prompts)],
+        params(SO(json=NESTED, disable_any_whitespace=True), temperature=1.0, n=8, seed=seed, max_tokens=200),
         use_tqdm=False,
     )
     samples = [s for out in outs for s in out.outputs]
-    assert len(samples) == 320
+    assert len(samples) == 8 * num_prompts
     for sample in samples:
         assert sample.finish_reason == "stop", sample.text
         jsonschema.validate(json.loads(sample.text), NESTED)
+
+
+def test_every_sampled_answer_validates_against_a_nested_schema(llm):
+    """Temperature 1.0 over 320 samples of a random model: nested objects, arrays, enums, bounded
+    integers, a string pattern, required fields; every answer must validate (jsonschema)."""
+    check_nested_samples(llm, num_prompts=40, seed=11)
 
 
 class MarkerParser(ReasoningParser):

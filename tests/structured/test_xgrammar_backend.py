@@ -7,13 +7,19 @@ Skipped where xgrammar is not installed (it is an optional extra)."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
 
 from tests.fixtures.checkpoints import save_served
-from tests.structured.test_structured_output import CHOICES, NESTED, PERSON, PHONE, check, params
+from tests.structured.test_structured_output import (
+    CHOICES,
+    PERSON,
+    PHONE,
+    check,
+    check_nested_samples,
+    params,
+)
 from tokenos import LLM
 from tokenos.core.messages import StructuredSpec
 from tokenos.core.validation import InvalidRequestError
@@ -54,17 +60,7 @@ def test_every_kind_in_one_batch_beside_free_requests(llm):
 
 
 def test_sampled_answers_validate_against_a_nested_schema(llm):
-    jsonschema = pytest.importorskip("jsonschema")
-    outs = llm.generate(
-        [f"Record {i}: " for i in range(25)],
-        params(SO(json=NESTED, disable_any_whitespace=True), temperature=1.0, n=8, seed=5, max_tokens=200),
-        use_tqdm=False,
-    )
-    samples = [s for out in outs for s in out.outputs]
-    assert len(samples) == 200
-    for sample in samples:
-        assert sample.finish_reason == "stop", sample.text
-        jsonschema.validate(json.loads(sample.text), NESTED)
+    check_nested_samples(llm, num_prompts=25, seed=5)  # 200 samples
 
 
 def test_the_front_door_checks_against_xgrammar(llm):
