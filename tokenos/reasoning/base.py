@@ -18,6 +18,8 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import ClassVar
 
+from tokenos.tool_parsers.base import hold_back_partial
+
 
 class ReasoningState(IntEnum):
     """Where the output starts. 0 is kept for "no reasoning parser" on the wire."""
@@ -25,14 +27,6 @@ class ReasoningState(IntEnum):
     REASONING = 1  # inside the thinking: the answer starts after the end marker
     OPEN = 2  # the output decides: a leading start marker opens the thinking, anything else is the answer
     ENDED = 3  # no thinking: the whole output is the answer
-
-
-def _holds_partial(text: str, marker: str) -> int:
-    """The length of the longest suffix of ``text`` that is a proper prefix of ``marker``."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if text.endswith(marker[:n]):
-            return n
-    return 0
 
 
 class ReasoningParser:
@@ -68,5 +62,5 @@ class ReasoningParser:
         if end >= 0:
             return body[:end].lstrip(), body[end + len(self.end) :].lstrip()
         if not final:
-            body = body[: len(body) - _holds_partial(body, self.end)]
+            body = hold_back_partial(body, self.end)
         return body.lstrip(), ""

@@ -23,6 +23,15 @@ from typing import Any, ClassVar
 logger = logging.getLogger(__name__)
 
 
+def hold_back_partial(text: str, tag: str) -> str:
+    """`text` without a trailing proper prefix of `tag`: that suffix may still turn into the tag (the
+    hold-back of every conservative parse of a growing text: tool-call tags, reasoning markers)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return text[:-size]
+    return text
+
+
 @dataclass(frozen=True)
 class ParsedCall:
     name: str

@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tokenos.tool_parsers.base import ParsedCall, ParseResult, ToolParser
+from tokenos.tool_parsers.base import ParsedCall, ParseResult, ToolParser, hold_back_partial
 from tokenos.tool_parsers.json_calls import read_object_call
 from tokenos.tool_parsers.json_scan import skip_ws
 from tokenos.tool_parsers.registry import register_tool_parser
@@ -32,14 +32,6 @@ _BOUNDARY = re.compile(re.escape(END) + "|" + re.escape(START))
 class _Region:
     call: ParsedCall | None
     end: int | None  # one past the region; None while it may still grow
-
-
-def hold_back_partial(text: str, tag: str) -> str:
-    """`text` without a trailing proper prefix of `tag`: that suffix may still turn into the tag."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return text[:-size]
-    return text
 
 
 def _read_region(text: str, body: int, final: bool) -> _Region:
