@@ -371,10 +371,19 @@ def test_tokenos_hit_sources_and_group_pages():
     metrics = EngineMetrics("m")
     metrics.update_from_engine_stats({"prefix_cache_hits_by_source": {"block": 32, "end_checkpoint": 7}})
     metrics.update_from_engine_stats({"prefix_cache_hits_by_source": {"block": 48, "end_checkpoint": 7}})
-    metrics.update_kv_groups(
-        [{"group": 0, "kind": "full_attention", "pages": 5}, {"group": 1, "kind": "mamba", "pages": 2}]
-    )
+    for hit_pages in (1, 4):  # cumulative in the core: the counter adds what grew between scrapes
+        metrics.update_kv_groups(
+            [
+                {"group": 0, "kind": "full_attention", "pages": 5, "hit_pages": 6 * hit_pages},
+                {"group": 1, "kind": "mamba", "pages": 2, "hit_pages": hit_pages},
+            ]
+        )
     text = metrics.render().decode()
+    assert value(text, "tokenos:prefix_cache_hit_pages_total", model_name="m", group="1", kind="mamba") == 4
+    assert (
+        value(text, "tokenos:prefix_cache_hit_pages_total", model_name="m", group="0", kind="full_attention")
+        == 24
+    )
     assert 'source="block"} 48.0' in text
     assert 'source="end_checkpoint"} 7.0' in text and 'source="checkpoint"} 0.0' in text
     assert 'tokenos:kv_cache_group_pages{engine="0",group="1",kind="mamba",model_name="m"} 2.0' in text

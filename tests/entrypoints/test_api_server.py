@@ -283,3 +283,22 @@ def test_truncate_prompt_tokens_and_vllm_xargs_over_http(make_client, fake_engin
     }
     r = client.post("/v1/chat/completions", json=chat)
     assert r.status_code == 200 and len(fake_engine.calls[-1]["prompt"].token_ids) == 12
+
+
+def test_metrics_count_http_requests_as_vllm_does(make_client, fake_engine):
+    client = make_client(fake_engine)
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": -1}).status_code == 400
+    assert client.get("/v1/models/fake-model").status_code == 200
+    client.get("/health")
+    text = client.get("/metrics").text
+    assert 'http_requests_total{handler="/v1/completions",method="POST",status="2xx"} 1.0' in text
+    assert 'http_requests_total{handler="/v1/completions",method="POST",status="4xx"} 1.0' in text
+    # The route's template, not the id in the path (one series per route, not per model).
+    assert 'http_requests_total{handler="/v1/models/{model_id:path}",method="GET",status="2xx"} 1.0' in text
+    assert 'handler="/health"' not in text and 'handler="/metrics"' not in text  # probes are left out
+    assert 'http_request_duration_seconds_count{handler="/v1/completions",method="POST"} 2.0' in text
+    assert "http_request_duration_highr_seconds_count 3.0" in text
+    assert 'http_response_size_bytes_count{handler="/v1/completions"} 2.0' in text
+    assert "process_resident_memory_bytes " in text and "python_info{" in text
+    assert text.count("# TYPE process_resident_memory_bytes") == 1

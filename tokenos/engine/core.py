@@ -210,11 +210,18 @@ class EngineCore:
         return stats
 
     def get_kv_groups(self) -> list[dict]:
-        """Per KV-cache group: its kind (full_attention, sliding_window, or mamba: recurrent state) and the
-        pages its requests hold now (for a metrics scrape: it walks every request's blocks)."""
-        pages = self.scheduler.kv_cache_manager.pages_by_group()
+        """Per KV-cache group: its kind (full_attention, sliding_window, or mamba: recurrent state), the
+        pages its requests hold now (for a metrics scrape: it walks every request's blocks) and the pages
+        prefix-cache hits have taken from it so far."""
+        kv = self.scheduler.kv_cache_manager
+        pages = kv.pages_by_group()
         return [
-            {"group": i, "kind": _group_kind(g.kv_cache_spec), "pages": pages[i]}
+            {
+                "group": i,
+                "kind": _group_kind(g.kv_cache_spec),
+                "pages": pages[i],
+                "hit_pages": kv.hit_pages_by_group[i],
+            }
             for i, g in enumerate(self.kv_cache_config.kv_cache_groups)
         ]
 

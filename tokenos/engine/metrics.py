@@ -350,6 +350,13 @@ class EngineMetrics:
             "Pages held by requests per KV-cache group (kind mamba: recurrent-state pages), at scrape time.",
             labelnames=(*LABELS, "group", "kind"),
         )
+        self.group_hit_pages = self._register(
+            Counter,
+            "tokenos:prefix_cache_hit_pages",
+            "Pages prefix-cache hits took from each KV-cache group (kind mamba: the recurrent-state page "
+            "resumed from), read at scrape time.",
+            labelnames=(*LABELS, "group", "kind"),
+        )
 
     # ------------------------------------------------------------------ frontend, per sample
 
@@ -452,23 +459,28 @@ class EngineMetrics:
     def _add_source_increase(self, source: str, value: int) -> None:
         if source not in self.hits_by_source:
             return
-        key = f"hits_by_source:{source}"
-        last = self._last_cumulative.get(key, 0)
-        self.hits_by_source[source].inc(value - last if value >= last else value)
-        self._last_cumulative[key] = value
+        self.hits_by_source[source].inc(self._increase(f"hits_by_source:{source}", value))
 
     def update_kv_groups(self, groups: list[dict[str, Any]]) -> None:
         """The engine core's per-group pages (`EngineCore.get_kv_groups`), read at scrape time."""
         for g in groups:
-            self.group_pages.labels(*self._labels, str(g["group"]), g["kind"]).set(g["pages"])
+            labels = (*self._labels, str(g["group"]), g["kind"])
+            self.group_pages.labels(*labels).set(g["pages"])
+            if "hit_pages" in g:
+                increase = self._increase(f"hit_pages:{g['group']}", g["hit_pages"])
+                self.group_hit_pages.labels(*labels).inc(increase)
+
+    def _increase(self, key: str, value: float) -> float:
+        """How much the core's cumulative count `key` grew since it was last read."""
+        last = self._last_cumulative.get(key, 0)
+        self._last_cumulative[key] = value
+        # A smaller value means the core restarted its count (e.g. a prefix-cache reset): start over.
+        return value - last if value >= last else value
 
     def _add_increase(self, key: str, value: float) -> None:
-        last = self._last_cumulative.get(key, 0)
-        # A smaller value means the core restarted its count (e.g. a prefix-cache reset): start over.
-        increase = value - last if value >= last else value
+        increase = self._increase(key, value)
         for counter in self.engine_counters[key]:
             counter.inc(increase)
-        self._last_cumulative[key] = value
 
     def _apply_step(self, stats: dict[str, Any]) -> None:
         """The last step's part of the stats, once: the same step can be reported again (an idle core

@@ -78,6 +78,10 @@ def test_three_turn_chat(hybrid):
     llm.engine.step()
     groups = llm.engine.get_kv_groups()
     assert "mamba" in {g["kind"] for g in groups} and all(g["pages"] > 0 for g in groups)
+    # every group took pages from the cache on the hits (turns 2 and 3, then the probe); a recurrent
+    # group exactly one state page per hit
+    assert all(g["hit_pages"] > 0 for g in groups)
+    assert {g["hit_pages"] for g in groups if g["kind"] == "mamba"} == {3}
     llm.engine.abort_requests(["probe"])
     hits, queries = hit_rate(llm)
     print(f"\nchat: cached {cached}, hits {hits}/{queries} tokens")

@@ -68,6 +68,9 @@ class KVCacheManager:
         self.prefix_cache_hits = 0
         # Hit tokens by source: "block" (full blocks); hybrids: "checkpoint" / "end_checkpoint".
         self.hits_by_source: dict[str, int] = {}
+        # Pages each group took from the cache on hits (recurrent groups: the one state page resumed
+        # from; sliding windows: the pages inside the window): which groups a hit really reuses.
+        self.hit_pages_by_group = [0] * self.num_groups
 
     def _make_fine(self, config: KVCacheConfig, hash_fn, checkpoint_at_end: bool) -> FinePrefixCache | None:
         """Fine-grained hybrid hits: end checkpoints (on by default), or a recurrent checkpoint
@@ -100,6 +103,8 @@ class KVCacheManager:
         if hit.num_tokens:
             source = self.fine.last_source if self.fine is not None else "block"
             self.hits_by_source[source] = self.hits_by_source.get(source, 0) + hit.num_tokens
+            for gid, blocks in enumerate(hit.blocks):
+                self.hit_pages_by_group[gid] += sum(1 for b in blocks if not b.is_null)
         return hit
 
     def pages_by_group(self) -> list[int]:

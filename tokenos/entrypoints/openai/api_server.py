@@ -172,6 +172,10 @@ def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
     _add_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body)
     _add_api_key_check(app, getattr(args, "api_key", None))
+    if getattr(engine, "metrics", None) is not None:
+        from tokenos.entrypoints.openai.http_metrics import instrument
+
+        instrument(app, engine.metrics.registry)
     # Outermost, as vLLM adds it: a browser's OPTIONS preflight is answered before the key is checked.
     app.add_middleware(
         CORSMiddleware,
