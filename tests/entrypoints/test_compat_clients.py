@@ -1,18 +1,22 @@
 """The clients vLLM users run, unchanged, against `tokenos serve` on loopback: LangChain's `ChatOpenAI`
-(invoke, stream, batch, structured output, tools) and lm-eval's `local-completions` on a tiny local task,
+(invoke, stream, batch, structured output, tools), lm-eval's `local-completions` on a tiny local task,
 whose per-choice loglikelihoods and accuracy must equal lm-eval's `hf` run of transformers on the same
-weights. (The `openai` client is exercised throughout test_server*.py.)"""
+weights, and guidellm's benchmark over both OpenAI routes (in its own environment: tools/install_clients.sh).
+(The `openai` client is exercised throughout test_server*.py.)"""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 from typing import Literal
 
+import httpx
 import pytest
 
 from tests.fixtures import lm_eval_task
 from tests.fixtures.checkpoints import save_served
-from tests.fixtures.servers import Server
+from tests.fixtures.servers import REPO, Server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -83,3 +87,44 @@ def test_lm_eval_local_completions_equals_transformers(server, folder, tmp_path)
         for a, b in zip(mine, ref, strict=True)
     ]
     assert len(flat) == 80 and max(abs(a - b) for a, b in flat) < 1e-3, json.dumps(flat[:4])
+
+
+GUIDELLM = os.path.join(REPO, ".venv-clients", "bin", "guidellm")
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_guidellm_benchmark(server, folder, tmp_path, route):
+    """guidellm's concurrent benchmark, unchanged: every request succeeds, streamed with usage in each
+    chunk, the output as long as asked (it sends ignore_eos) and the prompt as long as the server's own
+    tokenizer says."""
+    if not os.path.exists(GUIDELLM):
+        if os.environ.get("TOKENOS_REQUIRE_CLIENTS") == "1":
+            pytest.fail(f"{GUIDELLM} is missing: run tools/install_clients.sh")
+        pytest.skip("guidellm is not installed: run tools/install_clients.sh")
+    report = tmp_path / "guidellm.json"
+    command = [
+        GUIDELLM, "run",
+        "--backend", f"kind=openai_http,target={server.url},request_format={route}",
+        "--profile", "kind=concurrent,streams=4",
+        "--constraint", "kind=max_requests,count=12",
+        "--data", "kind=synthetic_text,prompt_tokens=32,output_tokens=8",
+        "--tokenizer", f"kind=huggingface_auto,model={folder}",
+        "--output", f"kind=json,path={report}",
+        "--disable-console-interactive",
+    ]  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    benchmark = json.loads(report.read_text())["benchmarks"][0]
+    assert benchmark["metrics"]["request_totals"] == {
+        "successful": 12,
+        "errored": 0,
+        "incomplete": 0,
+        "total": 12,
+    }
+    for stats in benchmark["requests"]["successful"]:
+        assert stats["output_tokens"] == 8
+        body = json.loads(stats["request_args"])["body"]
+        asked = {"messages": body["messages"]} if "messages" in body else {"prompt": body["prompt"]}
+        count = httpx.post(f"{server.url}/tokenize", json={"model": "tiny", **asked}).json()["count"]
+        assert stats["prompt_tokens"] == count
