@@ -78,6 +78,7 @@ class Request:
         "stop_token_ids",
         "fork_of",
         "grammar",
+        "spec_token_ids",
         "_block_hasher",
         "_next_hash_at",
         "__weakref__",
@@ -130,6 +131,9 @@ class Request:
         self.fork_of = fork_of
         # Structured output: the matcher of its grammar (tokenos.structured), attached when compiled.
         self.grammar: GrammarState | None = None
+        # Speculative decoding: the proposer's draft tokens for the next step (never in all_token_ids:
+        # only tokens the worker verified are ever appended, hashed or cached).
+        self.spec_token_ids: list[int] = []
         self._block_hasher = None
         self._next_hash_at = 1 << 62
         if block_hasher is not None:
@@ -159,6 +163,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_output_tokens(self) -> int:

@@ -123,10 +123,12 @@ class KVCacheManager:
         num_new_tokens: int,
         hit: CacheHit | None = None,
         num_tokens_to_reserve: int = 0,
+        num_draft_tokens: int = 0,
     ) -> Allocation:
         """Blocks for `num_new_tokens` more tokens after the computed ones (and, for a request being
         admitted, after its `hit`, which it takes). Not ok when the pool cannot supply
-        max(need, reservation) blocks; then nothing changed."""
+        max(need, reservation) blocks; then nothing changed. The last `num_draft_tokens` of the new
+        tokens are speculative: they get slots, but no block is published on their account."""
         rid = request.request_id
         num_hit = 0 if hit is None else hit.num_tokens
         num_tokens = request.num_computed_tokens + num_hit + num_new_tokens
@@ -142,7 +144,7 @@ class KVCacheManager:
             coord.save_new_computed_blocks(rid, hit)
         new = coord.allocate_new_blocks(rid, num_tokens)
         if self.enable_caching:
-            coord.cache_blocks(request, num_tokens)
+            coord.cache_blocks(request, num_tokens - num_draft_tokens)
         self._horizon[rid] = coord.token_horizon(rid)
         for blocks in new:
             if blocks:

@@ -24,6 +24,10 @@ the null block ("no page here"): the worker never needs to read or write it.
 Tokens. A scheduled request with n = num_computed_tokens computes positions [n, n + k) of its
 tokens (prompt then outputs), k = `num_scheduled_tokens[req_id]`. It is sampled only when
 n + k reaches its token count; otherwise it returns an empty list of sampled tokens.
+Speculative decoding: the last d = len(scheduled_spec_decode_tokens[req_id]) of those k positions hold
+the draft tokens, after the request's known tokens. The worker samples the last d + 1 positions and
+returns the drafts it accepted then one more token (1..d + 1 tokens); the scheduler takes the rejected
+positions back from num_computed_tokens, so their K/V (written, never read) is overwritten later.
 
 Attention groups (full, sliding window). Position p goes to slot p % B of page
 `block_ids[g][p // B]`. A page may be shared by several requests (prefix hits), including a
@@ -119,6 +123,10 @@ class SchedulerOutput:
     # Copy-on-write of partial prefix-hit pages: req_id -> (group id -> (src BLOCK id, dst column
     # index)): copy page src into page block_ids[g][dst] first of all (see the module docstring).
     prefix_page_copies: dict[str, dict[int, tuple[int, int]]] = field(default_factory=dict)
+    # Speculative decoding: req_id -> the draft tokens scheduled after its known tokens (they are part
+    # of num_scheduled_tokens). The worker computes them like any token, verifies them against the
+    # target model and returns the accepted ones plus one more token.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- worker -> scheduler

@@ -28,6 +28,7 @@ class StepPlan:
     state_copies: dict[str, PageCopies] = field(default_factory=dict)
     page_copies: dict[str, PageCopies] = field(default_factory=dict)
     preempted: set[str] = field(default_factory=set)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)  # drafts scheduled, per request
 
     def schedule_running(
         self,
@@ -36,8 +37,11 @@ class StepPlan:
         new_block_ids: BlockIds | None,
         removed: BlockIds | None,
         copies: PageCopies | None,
+        spec_tokens: list[int] | None = None,
     ) -> None:
         rid = request.request_id
+        if spec_tokens:
+            self.spec_tokens[rid] = spec_tokens
         if new_block_ids:
             self.new_block_ids[rid] = new_block_ids
         if removed is not None:
@@ -70,6 +74,7 @@ class StepPlan:
             self.new_block_ids.pop(rid, None)
             self.removed_block_idx.pop(rid, None)
             self.state_copies.pop(rid, None)
+            self.spec_tokens.pop(rid, None)
             self.budget += returned
         return returned
 
@@ -111,4 +116,5 @@ class StepPlan:
             preempted_req_ids=self.preempted,
             mamba_state_copies=self.state_copies,
             prefix_page_copies=self.page_copies,
+            scheduled_spec_decode_tokens=self.spec_tokens,
         )

@@ -34,6 +34,7 @@ from tokenos.core.sched.forks import ForkTracker
 from tokenos.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from tokenos.core.sched.plan import StepPlan
 from tokenos.core.sched.request_queue import create_request_queue
+from tokenos.core.spec_decode import SpeculativeConfig, make_proposer
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -45,6 +46,7 @@ class Scheduler:
         cache_config: CacheConfig,
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
@@ -86,6 +88,15 @@ class Scheduler:
         self.num_steps = 0
         self.last_step_tokens = 0
         self.last_step_first_scheduled: dict[str, float] = {}
+        # Speculative decoding: the proposer (None: off) and the cumulative acceptance counters.
+        if speculative_config is not None and self.kv_cache_manager.has_recurrent:
+            raise ValueError(
+                "speculative decoding on hybrid (recurrent-state) models is not built yet: "
+                "serve this model without speculative_config."
+            )
+        self.spec = speculative_config
+        self.proposer = make_proposer(speculative_config) if speculative_config is not None else None
+        self.spec_stats = SpecStats(speculative_config.num_speculative_tokens if speculative_config else 0)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -132,6 +143,8 @@ class Scheduler:
             self.running = [r for r in self.running if r.status == _RUNNING]
 
     def _free_request(self, req: Request) -> None:
+        if self.proposer is not None:
+            self.proposer.forget(req.request_id)
         if self.forks.waiters:
             self.forks.release(req, fork=False)  # an aborted parent: siblings go on alone
         self.kv_cache_manager.free(req)
@@ -163,6 +176,7 @@ class Scheduler:
             "num_steps": self.num_steps,
             "step_tokens": self.last_step_tokens,
             "first_scheduled": self.last_step_first_scheduled,
+            **({"spec_decoding": self.spec_stats.as_dict()} if self.proposer is not None else {}),
         }
 
     # ------------------------------------------------------------------ schedule
@@ -199,13 +213,17 @@ class Scheduler:
         while i < len(running) and plan.budget > 0:
             req = running[i]
             n = req.num_computed_tokens
-            num_new = self._num_new_tokens(req, n, len(req.all_token_ids) - n, plan.budget)
+            drafts = req.spec_token_ids
+            num_new = self._num_new_tokens(req, n, req.num_tokens_with_spec - n, plan.budget)
             if num_new <= 0:
                 i += 1
                 continue
+            if drafts:  # the budget or max_model_len cuts drafts first; they are proposed anew next step
+                drafts = drafts[: max(n + num_new - len(req.all_token_ids), 0)]
+                req.spec_token_ids = []
             removed = kv.remove_skipped_blocks(req) if has_skipping else None
             while True:
-                alloc = kv.allocate_slots(req, num_new)
+                alloc = kv.allocate_slots(req, num_new, num_draft_tokens=len(drafts))
                 if alloc.ok:
                     break
                 victim = self._select_victim()
@@ -217,7 +235,7 @@ class Scheduler:
             if not alloc.ok:
                 continue  # `req` itself was preempted; running[i] is now the next request
             copies = kv.state_copies(n, n + num_new) if has_recurrent else None
-            plan.schedule_running(req, num_new, alloc.new_block_ids, removed, copies)
+            plan.schedule_running(req, num_new, alloc.new_block_ids, removed, copies, drafts)
             i += 1
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
@@ -263,6 +281,7 @@ class Scheduler:
             self.kv_cache_manager.free(victim)  # checkpoints where it stops: it may resume there
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(victim)
@@ -282,6 +301,7 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
         failed = model_runner_output.failed
+        spec_tokens = scheduler_output.scheduled_spec_decode_tokens
         requests = self.requests
         after_step = self.kv_cache_manager.after_step
         forks = self.forks
@@ -301,6 +321,11 @@ class Scheduler:
                 continue
             i = index.get(rid)
             tokens = sampled[i] if i is not None else None
+            if spec_tokens and tokens and rid in spec_tokens:
+                # Drafts the worker rejected were computed but are not the request's: take them back.
+                drafts = len(spec_tokens[rid])
+                req.num_computed_tokens -= drafts + 1 - len(tokens)
+                self.spec_stats.record(drafts, len(tokens) - 1)
             finished = False
             new_lp = None
             # Tokens sampled for a partial prefill chunk are not real outputs: ignore them.
@@ -341,7 +366,28 @@ class Scheduler:
                 self._free_request(req)
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
+        if self.proposer is not None:
+            self._propose_drafts()
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """Drafts for every decoding request, for the next step; none while the batch is so large that
+        verifying them costs more than it saves (`SpeculativeConfig.disable_by_batch_size`)."""
+        running = self.running
+        if len(running) > self.spec.disable_by_batch_size:
+            for req in running:
+                req.spec_token_ids = []
+            return
+        propose = self.proposer.propose
+        for req in running:
+            tokens = req.all_token_ids
+            # Only a request whose every known token but the last is computed is decoding; a grammar
+            # would need its mask at every draft position, which the worker does not build.
+            if req.num_computed_tokens != len(tokens) - 1 or req.grammar is not None:
+                req.spec_token_ids = []
+                continue
+            # Room for the drafts and the one token after them within max_tokens and max_model_len.
+            req.spec_token_ids = propose(req.request_id, tokens, req.max_total_tokens - len(tokens) - 1)
 
     def _fail(self, req: Request, error: str) -> EngineCoreOutput:
         """End a request the worker failed alone (its step ran, so its pages are valid and kept)."""
@@ -378,3 +424,29 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
+
+
+class SpecStats:
+    """Speculative decoding's cumulative counters, as vLLM counts them: drafts (steps of a request that
+    verified some), draft tokens, accepted tokens, and accepted tokens by draft position."""
+
+    def __init__(self, num_positions: int) -> None:
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.accepted_per_pos = [0] * num_positions
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+
+    def as_dict(self) -> dict:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_pos": list(self.accepted_per_pos),
+        }

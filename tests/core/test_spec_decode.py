@@ -1,0 +1,190 @@
+"""Speculative decoding in the core: the n-gram proposer, the config, and the scheduler's half (drafts
+scheduled after the known tokens, rejected ones taken back, only verified tokens hashed and cached).
+
+The fake worker verifies drafts greedily against its deterministic model and checks every key it reads,
+and the checker that every published page holds the tokens its hash names: a draft that leaked into the
+cache, or a rejected position left counted, fails here.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.fixtures.scheduler_sim import LAYOUTS, make_engine, make_request, mamba, next_token, step
+from tokenos.config import CacheConfig
+from tokenos.core.request import RequestStatus
+from tokenos.core.spec_decode import NgramProposer, SpeculativeConfig
+
+DENSE = ("full", "sliding+full")
+
+
+def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition: the largest n whose suffix occurs earlier with a follower; its latest occurrence."""
+    end = len(tokens)
+    for n in range(min(max_n, end - 1), min_n - 1, -1):
+        suffix = tokens[end - n :]
+        for start in range(end - n - 1, -1, -1):
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.integers(0, 4), min_size=1, max_size=40),
+    st.lists(st.integers(1, 6), min_size=1, max_size=5),
+    st.integers(1, 3),
+    st.integers(0, 2),
+)
+def test_ngram_proposer_is_prompt_lookup(tokens, growth, min_n, extra):
+    """Incremental indexing over a growing sequence proposes what a scan from scratch finds."""
+    max_n = min_n + extra
+    proposer = NgramProposer(3, min_n, max_n)
+    seq = list(tokens)
+    rng = random.Random(len(tokens))
+    for g in growth:
+        assert proposer.propose("r", seq, 10) == brute_force(seq, 3, min_n, max_n)
+        seq += [rng.randrange(5) for _ in range(g)]
+    assert proposer.propose("r", seq, 2) == brute_force(seq, 2, min_n, max_n)
+    assert proposer.propose("r", seq, 0) == []
+    proposer.forget("r")
+    assert proposer._index == {}
+
+
+def test_config_takes_vllms_dict_and_refuses_what_it_does_not_build():
+    config = SpeculativeConfig.parse(
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'
+    )
+    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 1, 5)
+    assert SpeculativeConfig.parse(None) is None
+    with pytest.raises(ValueError, match="not built in tokenos"):
+        SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="not supported"):
+        SpeculativeConfig.parse({"method": "ngram", "draft_tensor_parallel_size": 1})
+    with pytest.raises(ValueError, match="needs a"):
+        SpeculativeConfig.parse({"num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="prompt_lookup_min"):
+        SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2})
+    with pytest.raises(ValueError, match="integer"):
+        SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": "4"})
+    with pytest.raises(ValueError, match="JSON"):
+        SpeculativeConfig.parse("{method")
+
+
+class Oracle:
+    """A proposer that knows the fake model: right guesses, spoiled at a random position (or not)."""
+
+    def __init__(self, k: int, seed: int) -> None:
+        self.k = k
+        self.rng = random.Random(seed)
+        self.proposed = 0
+
+    def propose(self, request_id: str, tokens: list[int], max_tokens: int) -> list[int]:
+        drafts: list[int] = []
+        for _ in range(min(self.k, max_tokens)):
+            drafts.append(next_token(list(tokens) + drafts))
+        if drafts and self.rng.random() < 0.6:
+            drafts[self.rng.randrange(len(drafts))] = self.rng.randrange(50)
+        self.proposed += len(drafts)
+        return drafts
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+def run(layout: str, prompts: list[list[int]], spec: bool, seed: int = 0, **kw) -> dict[str, list[int]]:
+    config = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=64) if spec else None
+    s, w, checker = make_engine(*LAYOUTS[layout](), speculative_config=config, **kw)
+    if spec:
+        s.proposer = Oracle(3, seed)
+    outputs: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        s.add_request(make_request(f"r{i}", p, max_tokens=12, ignore_eos=True))
+    steps = 0
+    while s.has_unfinished_requests():
+        out, outs = step(s, w, checker)
+        steps += 1
+        for rid, drafts in out.scheduled_spec_decode_tokens.items():
+            assert len(drafts) <= 3 and rid in out.num_scheduled_tokens
+        for o in outs:
+            outputs.setdefault(o.request_id, []).extend(o.new_token_ids)
+    checker.check_all_free()
+    if spec:
+        stats = s.make_stats()["spec_decoding"]
+        assert stats["num_draft_tokens"] > 0 and 0 < stats["num_accepted_tokens"] <= stats["num_draft_tokens"]
+        assert stats["accepted_per_pos"][0] >= stats["accepted_per_pos"][-1]
+    return outputs
+
+
+@pytest.mark.parametrize("layout", DENSE)
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # room for everything
+        {"budget": 5},  # drafts cut by the budget, prompts chunked beside decodes
+        {"num_blocks": 14, "max_num_seqs": 4},  # preemption by recompute mid-speculation
+    ],
+)
+def test_speculation_changes_nothing_but_the_step_count(layout, kw):
+    rng = random.Random(7)
+    shared = [rng.randrange(1, 50) for _ in range(9)]
+    prompts = [shared + [rng.randrange(1, 50) for _ in range(rng.randint(1, 9))] for _ in range(5)]
+    plain = run(layout, prompts, spec=False, **kw)
+    assert all(len(v) == 12 for v in plain.values())
+    for seed in range(3):
+        assert run(layout, prompts, spec=True, seed=seed, **kw) == plain
+
+
+def test_drafts_go_last_and_stop_rules_hold_inside_an_accepted_run():
+    s, w, checker = make_engine(
+        *LAYOUTS["full"](), speculative_config=SpeculativeConfig(num_speculative_tokens=4)
+    )
+    s.proposer = Oracle(4, 0)
+    s.proposer.rng.random = lambda: 1.0  # never spoiled: every draft is accepted
+    s.add_request(make_request("a", [5, 6, 7], max_tokens=3, ignore_eos=True))
+    step(s, w, checker)  # the prompt, then 1 token
+    req = s.requests["a"]
+    drafts = list(req.spec_token_ids)
+    assert len(drafts) == 1  # room for 1 draft and the token after it within max_tokens 3
+    out, outs = step(s, w, checker)
+    assert out.num_scheduled_tokens["a"] == 2 and out.scheduled_spec_decode_tokens["a"] == drafts
+    assert outs[0].finish_reason is not None and len(outs[0].new_token_ids) == 2
+    checker.check_all_free()
+
+
+def test_the_budget_cuts_drafts_before_the_real_token():
+    s, w, checker = make_engine(
+        *LAYOUTS["full"](), budget=3, speculative_config=SpeculativeConfig(num_speculative_tokens=4)
+    )
+    s.proposer = Oracle(4, 1)
+    s.add_request(make_request("a", [1, 2], max_tokens=20, ignore_eos=True))
+    s.add_request(make_request("b", [3, 4], max_tokens=20, ignore_eos=True))
+    step(s, w, checker)
+    for _ in range(6):
+        out, _ = step(s, w, checker)
+        assert out.total_num_scheduled_tokens <= 3
+        # a running request always gets its real token before anyone's drafts
+        for rid in out.num_scheduled_tokens:
+            assert out.num_scheduled_tokens[rid] == 1 + len(out.scheduled_spec_decode_tokens.get(rid, []))
+
+
+def test_large_batches_and_grammars_get_no_drafts():
+    config = SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=2)
+    s, w, checker = make_engine(*LAYOUTS["full"](), speculative_config=config)
+    s.proposer = Oracle(2, 2)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", [i + 1, 9], max_tokens=4, ignore_eos=True))
+    step(s, w, checker)
+    assert all(not r.spec_token_ids for r in s.running)  # 3 running > 2: speculation is off
+    s.finish_requests("r2", RequestStatus.FINISHED_ABORTED)
+    step(s, w, checker)
+    assert all(r.spec_token_ids for r in s.running)
+
+
+def test_hybrid_models_refuse_speculation_for_now():
+    with pytest.raises(ValueError, match="hybrid"):
+        make_engine(*LAYOUTS["full"](), mamba(4), cache=CacheConfig(), speculative_config=SpeculativeConfig())
