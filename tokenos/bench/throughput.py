@@ -90,6 +90,22 @@ def run(args: argparse.Namespace) -> dict:
             metrics["prefix_cache_hits"] / max(metrics["prefix_cache_queries"], 1), 3
         ),
         "num_preemptions": metrics["num_preemptions"],
+        **spec_figures(before, after),
+    }
+
+
+def spec_figures(before: dict, after: dict) -> dict:
+    """Speculative decoding in the timed run: acceptance rate and mean acceptance length."""
+    if "spec_decoding" not in after:
+        return {}
+    was, now = before["spec_decoding"], after["spec_decoding"]
+    drafts = now["num_drafts"] - was["num_drafts"]
+    proposed = now["num_draft_tokens"] - was["num_draft_tokens"]
+    accepted = now["num_accepted_tokens"] - was["num_accepted_tokens"]
+    return {
+        "spec_draft_tokens": proposed,
+        "spec_acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
+        "spec_mean_acceptance_length": round(1 + accepted / drafts, 2) if drafts else 0.0,
     }
 
 

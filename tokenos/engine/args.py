@@ -64,6 +64,9 @@ class EngineArgs:
     # Custom logits processors (vLLM V1's interface, tokenos.sample.logits_processor): classes, or
     # "package.module:ClassName" strings (--logits-processors); requests enable them through extra_args.
     logits_processors: list[str | type] | None = None
+    # Speculative decoding, vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}) or its
+    # JSON text; None: off. See tokenos.core.spec_decode.
+    speculative_config: dict | str | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -79,6 +82,7 @@ class EngineArgs:
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)  # ValueError naming the known parsers
         check_backend_available(self.structured_outputs_backend)
+        self.speculative()  # ValueError on a bad or unbuilt speculative_config, before loading anything
         model_config = load_model_config(self.model, dtype=self.dtype, max_model_len=self.max_model_len)
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
@@ -96,6 +100,12 @@ class EngineArgs:
             mamba_checkpoint_at_end=self.mamba_checkpoint_at_end,
         )
         return model_config, scheduler_config, cache_config
+
+    def speculative(self):
+        """The checked SpeculativeConfig, or None when speculative decoding is off."""
+        from tokenos.core.spec_decode import SpeculativeConfig
+
+        return SpeculativeConfig.parse(self.speculative_config)
 
     @property
     def resolved_kv_cache_memory_bytes(self) -> int:

@@ -57,8 +57,18 @@ class EngineCore:
             mamba_checkpoint_interval=cache_config.mamba_checkpoint_interval,
         )
         self.model_runner.initialize_kv_cache(self.kv_cache_config)
+        speculative = args.speculative()
+        if speculative is not None and self.logits_processors:
+            raise ValueError(
+                "speculative decoding with custom logits processors is not supported: they see one "
+                "position per request per step. Drop speculative_config or the logits processors."
+            )
         self.scheduler = Scheduler(
-            scheduler_config, cache_config, self.kv_cache_config, model_config.max_model_len
+            scheduler_config,
+            cache_config,
+            self.kv_cache_config,
+            model_config.max_model_len,
+            speculative_config=speculative,
         )
         # Structured output, built on the first request with a grammar (it loads the tokenizer).
         self.structured: StructuredOutputManager | None = None

@@ -193,6 +193,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         nargs="+",
     ),
     Flag(
+        ("--speculative-config",),
+        "speculative_config",
+        'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+        '"prompt_lookup_max": 4} (n-gram prompt lookup; dense models)',
+        type=json_object,
+    ),
+    Flag(
         ("--reasoning-parser",),
         "reasoning_parser",
         "reasoning models: deepseek_r1 or qwen3 (thinking as reasoning_content; grammars after it)",
@@ -294,7 +301,6 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     ),
     VllmFlag(("--data-parallel-size", "-dp"), "one engine: no data parallelism yet", harmless=_is(1)),
     VllmFlag(("--quantization", "-q"), "quantized checkpoints are not supported yet", harmless=_never),
-    VllmFlag(("--speculative-config",), "speculative decoding is not built yet", harmless=_never),
     VllmFlag(("--enable-lora",), "LoRA adapters are not supported yet", harmless=_never, takes_value=False),
     VllmFlag(("--lora-modules",), "LoRA adapters are not supported yet", harmless=_never),
     VllmFlag(("--hf-overrides",), "it would change the model's config", harmless=_never),

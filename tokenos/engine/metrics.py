@@ -21,7 +21,6 @@ sample's intervals add up: e2e (arrival -> its end) = queue (arrival -> first sc
 token) + decode (first -> last token). Arrival is when the frontend hands it to the engine (tokenized).
 
 vLLM metrics left out, and why:
-- `vllm:spec_decode_*` (drafts, draft / accepted tokens, per position): speculative decoding is not built.
 - `vllm:lora_requests_info`: LoRA adapters are not built.
 - `vllm:external_prefix_cache_queries` / `_hits`, the KV-connector and KV-offload series: no KV connector
   (no cross-instance or CPU-offloaded KV); `vllm:prompt_tokens_by_source{source="external_kv_transfer"}`
@@ -184,6 +183,7 @@ class EngineMetrics:
         self._build_token_counters()
         self._build_request_histograms(build_1_2_5_buckets(max_model_len))
         self._build_latency_histograms()
+        self._build_spec_decode()
         self._build_tokenos()
 
     def _build_scheduler_state(self) -> None:
@@ -321,6 +321,30 @@ class EngineMetrics:
             "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request."
         )
 
+    def _build_spec_decode(self) -> None:
+        """vLLM's speculative-decoding counters (0 while speculation is off); the per-position children
+        appear as the core reports positions."""
+        self.spec_counters = {
+            key: self._one(Counter, f"vllm:spec_decode_{key}", doc)
+            for key, doc in (
+                ("num_drafts", "Number of spec decoding drafts."),
+                ("num_draft_tokens", "Number of draft tokens."),
+                ("num_accepted_tokens", "Number of accepted tokens."),
+            )
+        }
+        self.spec_per_pos = self._register(
+            Counter,
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labelnames=(*LABELS, "position"),
+        )
+
+    def _add_spec_increase(self, spec: dict[str, Any]) -> None:
+        for key, counter in self.spec_counters.items():
+            counter.inc(self._increase(f"spec:{key}", spec.get(key, 0)))
+        for pos, value in enumerate(spec.get("accepted_per_pos", ())):
+            self.spec_per_pos.labels(*self._labels, str(pos)).inc(self._increase(f"spec_pos:{pos}", value))
+
     def _build_tokenos(self) -> None:
         self.rejected = self._by(
             Counter,
@@ -454,6 +478,8 @@ class EngineMetrics:
                 self._add_increase(key, stats[key])
         for source, value in (stats.get("prefix_cache_hits_by_source") or {}).items():
             self._add_source_increase(source, value)
+        if "spec_decoding" in stats:
+            self._add_spec_increase(stats["spec_decoding"])
         self._apply_step(stats)
 
     def _add_source_increase(self, source: str, value: int) -> None:

@@ -207,7 +207,21 @@ class LLM:
             "kv_cache_usage": stats.get("kv_cache_usage", 0.0),
             "num_running": stats.get("num_running", 0),
             "num_waiting": stats.get("num_waiting", 0),
+            **({"spec_decoding": spec_summary(stats["spec_decoding"])} if "spec_decoding" in stats else {}),
         }
 
     def reset_prefix_cache(self) -> bool:
         return self.engine.reset_prefix_cache()
+
+
+def spec_summary(spec: dict) -> dict:
+    """The core's speculative-decoding counters plus what vLLM derives from them: the acceptance rate
+    (accepted / draft tokens), the mean acceptance length (1 + accepted / drafts: tokens per verifying
+    step) and the acceptance rate at each draft position."""
+    drafts, proposed, accepted = spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]
+    return {
+        **spec,
+        "acceptance_rate": accepted / proposed if proposed else 0.0,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0,
+        "acceptance_rate_per_pos": [a / drafts if drafts else 0.0 for a in spec["accepted_per_pos"]],
+    }

@@ -1,8 +1,9 @@
 """What the sampler needs to know about one step's batch, as tensors plus a few flags.
 
-Built by `SamplingState.make_metadata` from the persistent per-row store. Row i of every tensor
-is row i of the logits. The `no_*` / `all_*` flags let the sampler skip whole stages (a batch of
-greedy requests without penalties is one argmax). Optional tensors are None when no row uses them.
+Built by `SamplingState.make_metadata` from the persistent per-row store (or by `make_spec_metadata`,
+with one row per draft position to verify). Row i of every tensor is row i of the logits. The
+`no_*` / `all_*` flags let the sampler skip whole stages (a batch of greedy requests without penalties
+is one argmax). Optional tensors are None when no row uses them.
 """
 
 from __future__ import annotations

@@ -149,10 +149,24 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     in the batch; the rest share one batched draw from the default generator. One cumsum is far
     cheaper on CPU than a vocab-sized exponential or Gumbel noise fill.
     """
-    cdf = probs.cumsum(dim=1)
-    u = torch.rand(probs.shape[0], 1, device=probs.device)
+    return sample_with_uniforms(probs, draw_uniforms(probs.shape[0], generators, probs.device))
+
+
+def draw_uniforms(
+    num_rows: int, generators: dict[int, torch.Generator], device: torch.device
+) -> torch.Tensor:
+    """[num_rows, 1] uniforms in [0, 1): one batched draw from the default generator, then each seeded
+    row's own number from its generator (one draw per row, in the dict's order)."""
+    u = torch.rand(num_rows, 1, device=device)
     for row, gen in generators.items():
         u[row] = torch.rand(1, generator=gen, device=gen.device)
+    return u
+
+
+def sample_with_uniforms(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row, the token whose CDF interval holds ``u`` ([rows, 1] in [0, 1]) times the row's total: the
+    rows of ``probs`` need not be normalised."""
+    cdf = probs.cumsum(dim=1)
     # First index whose CDF reaches u * total. Clamping u above 0 means a zero-probability token
     # (whose CDF equals its predecessor's) can never be the first to reach it.
     target = (u * cdf[:, -1:]).clamp_(min=torch.finfo(cdf.dtype).tiny)

@@ -78,6 +78,17 @@ class Sampler:
         if md.all_greedy:
             assert greedy is not None
             return greedy
+        drawn = ops.random_sample(Sampler.compute_probs(logits, md), md.generators)
+        if greedy is None:
+            return drawn
+        return torch.where(md.greedy_mask, greedy, drawn)
+
+    @staticmethod
+    def compute_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows are drawn from ([num_reqs, vocab] float32): the processed logits
+        through temperature, the argmax-invariant custom processors, top-k, top-p and min-p, softmaxed.
+        Greedy rows get one too (at temperature 1), unused. Edits ``logits`` in place: take what else is
+        needed of them (the argmax) first. The rejection sampler verifies drafts against the same."""
         logits.div_(md.temperature.unsqueeze(1))
         if md.logitsprocs is not None and md.logitsprocs.argmax_invariant:
             logits = md.logitsprocs.apply_each(md.logitsprocs.argmax_invariant, logits)
@@ -87,7 +98,4 @@ class Sampler:
             ops.apply_top_p(logits, md.top_p, md.top_k)
         if md.min_p is not None:
             ops.apply_min_p(logits, md.min_p)
-        drawn = ops.random_sample(logits.softmax(dim=1), md.generators)
-        if greedy is None:
-            return drawn
-        return torch.where(md.greedy_mask, greedy, drawn)
+        return logits.softmax(dim=1)

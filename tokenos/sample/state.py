@@ -9,6 +9,9 @@ output so far refreshed (min_tokens, bad words). Nothing here is vocab-sized: pe
 the token id lists at sampling, and the allowed-token mask is built with the metadata, for the rows that
 have one.
 
+Speculative decoding verifies k draft tokens of a row in k + 1 rows of logits: `make_spec_metadata` gives
+the metadata of those rows, each as its row after the drafts before it, from the same cached metadata.
+
 Bad words are matched against the output tokens only (vLLM's rule), so they need no state of their
 own: a request resumed after a preemption comes back with its outputs and bans exactly what it banned.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -160,16 +164,103 @@ class SamplingState:
         Their seeded generators are left untouched, so a seeded request's draws depend only on the
         tokens it really generates.
         """
+        md = self._base_metadata(num_reqs)
+        rows = range(num_reqs)
+        md.min_tokens = self._min_token_bans(rows, self.output_token_ids)
+        md.bad_words = self._bad_word_bans(rows, self.output_token_ids) if self.num_bad_words_rows else {}
+        if discard_rows:
+            md = _copy_without_generators(md, discard_rows)
+        return md
+
+    def make_spec_metadata(
+        self, num_reqs: int, draft_token_ids: Sequence[Sequence[int]], discard_rows: Sequence[int] = ()
+    ) -> SamplingMetadata:
+        """The metadata for verifying draft tokens (`RejectionSampler`): row i of the batch with drafts
+        d_1..d_k becomes the k + 1 consecutive "virtual rows" (i, 0..k), requests in batch order.
+
+        Virtual row (i, j) samples exactly as row i would in plain decoding once d_1..d_j had been
+        appended to its outputs: same parameters, penalties counting the drafts, min_tokens bans while
+        len(outputs) + j < min_tokens, bad words matched on outputs + d_1..d_j, and the very generator of
+        a seeded row. Custom logits processors are left out (None): they follow the batch's rows, and
+        the engine refuses speculative decoding with them. `discard_rows` (batch rows) as in
+        `make_metadata`. Neither the metadata cached for `make_metadata` nor the outputs are changed.
+        """
+        if len(draft_token_ids) != num_reqs:
+            raise ValueError(f"{len(draft_token_ids)} draft lists for {num_reqs} rows.")
+        base = self._base_metadata(num_reqs)
+        repeats = [len(d) + 1 for d in draft_token_ids]
+        src = [r for r, count in enumerate(repeats) for _ in range(count)]
+        outputs = []  # copies: each virtual row keeps what it saw when the accepted tokens are appended
+        for r, drafts in enumerate(draft_token_ids):
+            out = self.output_token_ids[r]
+            seen = out + list(drafts)
+            outputs.extend(seen[: len(out) + j] for j in range(len(drafts) + 1))
+        md = self._repeat_rows(base, repeats, src)
+        md.output_token_ids = outputs
+        md.min_tokens = self._min_token_bans(src, outputs)
+        md.bad_words = self._bad_word_bans(src, outputs) if self.num_bad_words_rows else {}
+        skip = set(discard_rows)
+        md.generators = {
+            v: g for v, r in enumerate(src) if (g := base.generators.get(r)) is not None and r not in skip
+        }
+        return md
+
+    def _base_metadata(self, num_reqs: int) -> SamplingMetadata:
+        """The cached metadata of rows 0..num_reqs-1 (rebuilt when the batch changed); its output-dependent
+        fields are stale until the caller sets them."""
         if not 0 <= num_reqs <= self.max_num_reqs:
             raise ValueError(f"num_reqs={num_reqs} is outside [0, {self.max_num_reqs}].")
         md = self._cached
         if md is None or md.num_reqs != num_reqs:
             md = self._cached = self._build(num_reqs)
-        md.min_tokens = self._min_token_bans(num_reqs)
-        md.bad_words = self._bad_word_bans(num_reqs) if self.num_bad_words_rows else {}
-        if discard_rows:
-            md = _copy_without_generators(md, discard_rows)
         return md
+
+    def _repeat_rows(self, md: SamplingMetadata, repeats: list[int], src: list[int]) -> SamplingMetadata:
+        """``md`` with row r repeated ``repeats[r]`` times (``src``: the row of each copy), each copy with
+        its row's parameters. The output-dependent fields and the generators are the caller's to set."""
+        dev = self.device
+        index = torch.tensor(src, dtype=torch.int64).to(dev)
+
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t[index]
+
+        # The sparse fields' rows are known here from the lists `_build` made them of (in the same order),
+        # so they are spread without reading a device tensor back.
+        first = [0]
+        for count in repeats[:-1]:
+            first.append(first[-1] + count)
+        bias = None
+        if md.logit_bias is not None:
+            _, cols, vals = md.logit_bias
+            owners = [r for r in range(md.num_reqs) for _ in self.logit_bias[r] or {}]
+            entries, new_rows = _spread(owners, first, repeats, dev)
+            bias = (new_rows, cols[entries], vals[entries])
+        allowed = None
+        if md.allowed_token_ids is not None:
+            owners = [r for r in range(md.num_reqs) if self.allowed_token_ids[r] is not None]
+            entries, new_rows = _spread(owners, first, repeats, dev)
+            allowed = (new_rows, md.allowed_token_ids[1][entries])
+        return replace(
+            md,
+            num_reqs=len(src),
+            temperature=rows(md.temperature),
+            greedy_mask=rows(md.greedy_mask),
+            top_k=rows(md.top_k),
+            top_p=rows(md.top_p),
+            min_p=rows(md.min_p),
+            generators={},
+            presence_penalties=rows(md.presence_penalties),
+            frequency_penalties=rows(md.frequency_penalties),
+            repetition_penalties=rows(md.repetition_penalties),
+            prompt_token_ids=rows(md.prompt_token_ids),
+            output_token_ids=[],
+            logit_bias=bias,
+            min_tokens={},
+            num_logprobs=[md.num_logprobs[r] for r in src],
+            allowed_token_ids=allowed,
+            bad_words={},
+            logitsprocs=None,
+        )
 
     def _build(self, n: int) -> SamplingMetadata:
         dev = self.device
@@ -218,23 +309,25 @@ class SamplingState:
             banned[i, self.allowed_token_ids[r]] = False
         return torch.tensor(rows, dtype=torch.int64).to(self.device), banned.to(self.device)
 
-    def _bad_word_bans(self, n: int) -> dict[int, list[int]]:
+    def _bad_word_bans(self, src: Sequence[int], outputs: Sequence[list[int]]) -> dict[int, list[int]]:
+        """Metadata row i (the request in row ``src[i]``, having generated ``outputs[i]``) -> its bans."""
         bans = {}
-        for r in range(n):
+        for i, r in enumerate(src):
             words = self.bad_words[r]
-            if words is not None and (banned := ops.bad_word_bans(words, self.output_token_ids[r])):
-                bans[r] = banned
+            if words is not None and (banned := ops.bad_word_bans(words, outputs[i])):
+                bans[i] = banned
         return bans
 
     def _seeded_generators(self, n: int) -> dict[int, torch.Generator]:
         # Greedy rows never draw, so a seed on them is moot.
         return {r: g for r in range(n) if (g := self.generators[r]) is not None and not self.is_greedy[r]}
 
-    def _min_token_bans(self, n: int) -> dict[int, list[int]]:
+    def _min_token_bans(self, src: Sequence[int], outputs: Sequence[list[int]]) -> dict[int, list[int]]:
+        """As `_bad_word_bans`: the stop ids of the rows still below min_tokens."""
         return {
-            r: self.stop_ids[r]
-            for r in range(n)
-            if self.min_tokens[r] and self.stop_ids[r] and len(self.output_token_ids[r]) < self.min_tokens[r]
+            i: self.stop_ids[r]
+            for i, r in enumerate(src)
+            if self.min_tokens[r] and self.stop_ids[r] and len(outputs[i]) < self.min_tokens[r]
         }
 
     def _padded_prompts(self, n: int) -> torch.Tensor | None:
@@ -271,8 +364,8 @@ class SamplingState:
 
     def _make_generator(self, seed: int, num_drawn: int = 0) -> torch.Generator:
         """A seeded generator that already made ``num_drawn`` draws: a request resumed after a preemption
-        drew once per token it sampled (`ops.random_sample`), so it goes on with the draws it would have
-        made had it never stopped."""
+        drew once per token it sampled (`ops.random_sample`; the `RejectionSampler` keeps to that), so it
+        goes on with the draws it would have made had it never stopped."""
         gen = torch.Generator(device=self.device)
         gen.manual_seed(seed)
         for _ in range(num_drawn):
@@ -329,6 +422,19 @@ class SamplingState:
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.max_num_reqs:
             raise IndexError(f"row {row} is outside the batch of {self.max_num_reqs} rows.")
+
+
+def _spread(
+    owners: list[int], first: list[int], repeats: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse entries owned by rows (``owners``, one per entry) copied to each of their row's repeats:
+    (the entry each copy takes, its repeated row), in row order."""
+    entries = [e for e, r in enumerate(owners) for _ in range(repeats[r])]
+    new_rows = [first[r] + j for r in owners for j in range(repeats[r])]
+    return (
+        torch.tensor(entries, dtype=torch.int64).to(device),
+        torch.tensor(new_rows, dtype=torch.int64).to(device),
+    )
 
 
 def _copy_without_generators(md: SamplingMetadata, rows: Sequence[int]) -> SamplingMetadata:

@@ -16,7 +16,7 @@ once, from the classes the engine was given, and told the batch's changes every 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -34,6 +34,7 @@ from tokenos.models.config import ModelConfig
 from tokenos.platform import configure_threads, cpu_summary, dtype_name, native_bf16_supported
 from tokenos.sample.logits_processor import EngineConfig, LogitsProcessor, build_logits_processors
 from tokenos.sample.metadata import SamplingMetadata
+from tokenos.sample.rejection import RejectionSampler
 from tokenos.sample.sampler import Sampler, compute_prompt_logprobs
 from tokenos.worker.input_batch import InputBatch
 from tokenos.worker.kv_cache import allocate_kv_caches
@@ -71,6 +72,7 @@ class ModelRunner:
         self.max_model_len = model_config.max_model_len
         self.model = build_model(model_config)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.logits_processor_classes = list(logits_processors)
         self.scheduler_config = scheduler_config or SchedulerConfig(
             max_num_batched_tokens=max_num_batched_tokens,
@@ -167,6 +169,7 @@ class ModelRunner:
         n = batch.gather_scheduled(scheduled)
         batch.update_logits_processors(n)
         req_ids: list[str] = batch.req_ids[:n]  # type: ignore[assignment]
+        drafts = self._place_drafts(scheduler_output.scheduled_spec_decode_tokens, req_ids)
         inputs = prepare_step_inputs(
             batch.token_ids, batch.num_computed_tokens[:n], [scheduled[r] for r in req_ids]
         )
@@ -181,6 +184,8 @@ class ModelRunner:
             self.entry_groups,
         )
         hidden = self.model(forward_batch)
+        if drafts is not None:
+            return self._verify_drafts(hidden, inputs, req_ids, drafts, grammar_masks)
 
         seq_after = inputs.seq_lens
         sample_mask = seq_after >= batch.num_tokens[:n]
@@ -205,16 +210,113 @@ class ModelRunner:
                 sampled_lists.append([])
                 logprobs.append(None)
         batch.num_computed_tokens[:n] = seq_after
+        return self._output(hidden, req_ids, inputs, sampled_lists, logprobs, failed)
 
-        prompt_logprobs = self._prompt_logprobs(hidden, req_ids, inputs)
+    def _output(
+        self,
+        hidden: torch.Tensor,
+        req_ids: list[str],
+        inputs: StepInputs,
+        sampled: list[list[int]],
+        logprobs: list[list[TokenLogprobs] | None],
+        failed: dict[str, str],
+    ) -> ModelRunnerOutput:
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled_lists,
+            sampled_token_ids=sampled,
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=self._prompt_logprobs(hidden, req_ids, inputs),
             failed=failed,
         )
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def _place_drafts(self, spec: dict[str, list[int]], req_ids: list[str]) -> list[list[int]] | None:
+        """Write each request's draft tokens after its known ones (read as input ids like any token;
+        overwritten by whatever is accepted). None when no request has drafts this step."""
+        if not spec:
+            return None
+        batch = self.input_batch
+        drafts = [spec.get(rid, []) for rid in req_ids]
+        for row, d in enumerate(drafts):
+            if d:
+                start = int(batch.num_tokens[row])
+                batch.token_ids[row, start : start + len(d)] = d
+        return drafts
+
+    def _verify_drafts(
+        self,
+        hidden: torch.Tensor,
+        inputs: StepInputs,
+        req_ids: list[str],
+        drafts: list[list[int]],
+        grammar_masks: dict[str, np.ndarray] | None,
+    ) -> ModelRunnerOutput:
+        """Score every draft position and the one after it in one LM-head call, keep the accepted drafts
+        and one more token per request (`RejectionSampler`), and count the rejected positions out."""
+        batch = self.input_batch
+        n = inputs.num_reqs
+        num_drafts = np.array([len(d) for d in drafts], dtype=np.int64)
+        seq_after = inputs.seq_lens
+        sample_mask = seq_after >= batch.num_tokens[:n] + num_drafts
+        drafts = [d if sample_mask[row] else [] for row, d in enumerate(drafts)]
+        width = np.where(sample_mask, num_drafts + 1, 1)  # rows mid-prompt: one row, discarded below
+        ends = inputs.query_end
+        index = np.concatenate([np.arange(e - w, e) for e, w in zip(ends, width, strict=True)])
+        logits = self.model.compute_logits(hidden[torch.from_numpy(index)])
+        if grammar_masks:  # requests with a grammar get no drafts: one virtual row each
+            firsts = np.concatenate(([0], np.cumsum(width)[:-1]))
+            virtual: list[str | None] = [None] * len(index)
+            for row, rid in enumerate(req_ids):
+                virtual[int(firsts[row])] = rid
+            apply_grammar_masks(logits, virtual, grammar_masks)
+        discard = np.flatnonzero(~sample_mask).tolist()
+        tokens, logprobs, failed = self._spec_sample(logits, width, drafts, req_ids, discard)
+        sampled_lists: list[list[int]] = []
+        out_logprobs: list[list[TokenLogprobs] | None] = []
+        for row in range(n):
+            if not sample_mask[row] or req_ids[row] in failed:
+                sampled_lists.append([])
+                out_logprobs.append(None)
+                continue
+            emitted = tokens[row]
+            for tok in emitted:
+                batch.append_token(row, tok)
+            sampled_lists.append(emitted)
+            out_logprobs.append(logprobs[row])
+            seq_after[row] -= len(drafts[row]) + 1 - len(emitted)
+        batch.num_computed_tokens[:n] = seq_after
+        return self._output(hidden, req_ids, inputs, sampled_lists, out_logprobs, failed)
+
+    def _spec_sample(
+        self,
+        logits: torch.Tensor,
+        width: np.ndarray,
+        drafts: list[list[int]],
+        req_ids: list[str],
+        discard: list[int],
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None], dict[str, str]]:
+        """Verify with the rejection sampler; if that fails, every draft counts as rejected and each
+        request samples its first position alone through the plain path (which isolates a bad request)."""
+        sampling = self.input_batch.sampling
+        n = len(req_ids)
+        metadata = sampling.make_spec_metadata(n, drafts)
+        states = {row: g.get_state() for row, g in _row_generators(sampling, range(n)).items()}
+        try:
+            out = self.rejection_sampler(logits, metadata, drafts)
+        except Exception:
+            logger.exception("speculative verification failed; sampling without the drafts")
+            for row, state in states.items():  # the draws are taken again, from where they were
+                sampling.generators[row].set_state(state)
+            firsts = np.concatenate(([0], np.cumsum(width)[:-1]))
+            plain = sampling.make_metadata(n, discard_rows=discard)
+            one, one_lp, failed = self._sample(logits[torch.from_numpy(firsts)], plain, req_ids)
+            return [[t] for t in one], [None if lp is None else [lp] for lp in one_lp], failed
+        for row in discard:  # rows mid-prompt sampled nothing: their seeded generators must not advance
+            if row in states:
+                sampling.generators[row].set_state(states[row])
+        return out.token_ids, out.logprobs, {}
 
     def _sample(
         self, logits: torch.Tensor, metadata: SamplingMetadata, req_ids: list[str]
@@ -318,7 +420,14 @@ class ModelRunner:
         return out
 
 
-def apply_grammar_masks(logits: torch.Tensor, req_ids: list[str], masks: dict[str, np.ndarray]) -> None:
+def _row_generators(sampling, rows: Iterable[int]) -> dict[int, torch.Generator]:
+    """The seeded generators of `rows` of the batch's sampling state."""
+    return {row: g for row in rows if (g := sampling.generators[row]) is not None}
+
+
+def apply_grammar_masks(
+    logits: torch.Tensor, req_ids: Sequence[str | None], masks: dict[str, np.ndarray]
+) -> None:
     """Set to -inf, in place, every logit a request's grammar forbids (row r of ``logits`` is req_ids[r])."""
     rows = [i for i, rid in enumerate(req_ids) if rid in masks]
     if not rows:
