@@ -387,7 +387,7 @@ class Scheduler:
                 req.spec_token_ids = []
                 continue
             # Room for the drafts and the one token after them within max_tokens and max_model_len.
-            req.spec_token_ids = propose(req.request_id, tokens, req.max_total_tokens - len(tokens) - 1)
+            req.spec_token_ids = propose(req, req.max_total_tokens - len(tokens) - 1)
 
     def _fail(self, req: Request, error: str) -> EngineCoreOutput:
         """End a request the worker failed alone (its step ran, so its pages are valid and kept)."""

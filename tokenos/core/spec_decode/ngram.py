@@ -9,6 +9,15 @@ already has a follower, updated as tokens arrive (a few dict stores per token), 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
+
+
+class Proposable(Protocol):
+    """What a proposer reads of a request (`tokenos.core.request.Request` has it)."""
+
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
 
 
 class _Index:
@@ -26,14 +35,15 @@ class NgramProposer:
         self.max_n = max_n
         self._index: dict[str, _Index] = {}
 
-    def propose(self, request_id: str, token_ids: Sequence[int], max_tokens: int) -> list[int]:
-        """Up to min(k, max_tokens) tokens to follow `token_ids` (a request's prompt and outputs)."""
+    def propose(self, request: Proposable, max_tokens: int) -> list[int]:
+        """Up to min(k, max_tokens) tokens to follow the request's prompt and outputs."""
         limit = min(self.k, max_tokens)
         if limit <= 0:
             return []
-        index = self._index.get(request_id)
+        token_ids = request.all_token_ids
+        index = self._index.get(request.request_id)
         if index is None:
-            index = self._index[request_id] = _Index(self.max_n - self.min_n + 1)
+            index = self._index[request.request_id] = _Index(self.max_n - self.min_n + 1)
         self._extend(index, token_ids)
         end = len(token_ids)
         for n in range(min(self.max_n, end - 1), self.min_n - 1, -1):
