@@ -70,10 +70,15 @@ def test_config_takes_vllms_dict_and_refuses_what_it_does_not_build():
         SpeculativeConfig.parse({"num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2})
-    with pytest.raises(ValueError, match="integer"):
+    with pytest.raises(ValueError, match="a number"):
         SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": "4"})
     with pytest.raises(ValueError, match="JSON"):
         SpeculativeConfig.parse("{method")
+    suffix = SpeculativeConfig.parse({"method": "suffix", "suffix_decoding_min_token_prob": 0.2})
+    # vLLM's default: the tree depth bounds the drafts, the proposer picks each one's length
+    assert (suffix.num_speculative_tokens, suffix.suffix_decoding_min_token_prob) == (24, 0.2)
+    with pytest.raises(ValueError, match="min_token_prob"):
+        SpeculativeConfig.parse({"method": "suffix", "suffix_decoding_min_token_prob": 1.5})
 
 
 class Oracle:

@@ -64,6 +64,19 @@ def test_prefix_hits_and_n_gt_1_keep_parity(tiny_llama):
     assert llm.get_metrics()["spec_decoding"]["num_draft_tokens"] > 0
 
 
+def test_suffix_decoding_keeps_parity_and_learns_from_earlier_answers(tiny_llama):
+    """Suffix drafts: the same prompts twice; the second time the global tree of earlier responses
+    proposes the first answers, so more drafts are accepted, and greedy output stays transformers'."""
+    folder, ref = tiny_llama
+    prompts = DENSE.prompts(4, 5, 30, seed=12)
+    llm = make_llm(folder, speculative_config={"method": "suffix", "disable_by_batch_size": 64})
+    DENSE.check(DENSE.run(llm, prompts), prompts, ref)
+    first = llm.get_metrics()["spec_decoding"]["num_accepted_tokens"]
+    DENSE.check(DENSE.run(llm, prompts), prompts, ref)
+    again = llm.get_metrics()["spec_decoding"]["num_accepted_tokens"] - first
+    assert again >= len(prompts) * (DENSE.max_tokens // 2), (first, again)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral"])
 def test_every_dense_family_keeps_parity(family, tmp_path):

@@ -7,10 +7,19 @@ schedules them beside the request's last token and the worker verifies them in t
 
 from tokenos.core.spec_decode.config import SpeculativeConfig
 from tokenos.core.spec_decode.ngram import NgramProposer
+from tokenos.core.spec_decode.suffix import SuffixProposer
 
-__all__ = ["NgramProposer", "SpeculativeConfig", "make_proposer"]
+__all__ = ["NgramProposer", "SpeculativeConfig", "SuffixProposer", "make_proposer"]
 
 
-def make_proposer(config: SpeculativeConfig) -> NgramProposer:
+def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer:
     """The proposer `config.method` names."""
+    if config.method == "suffix":
+        return SuffixProposer(
+            config.num_speculative_tokens,
+            max_tree_depth=config.suffix_decoding_max_tree_depth,
+            max_cached_requests=config.suffix_decoding_max_cached_requests,
+            max_spec_factor=config.suffix_decoding_max_spec_factor,
+            min_token_prob=config.suffix_decoding_min_token_prob,
+        )
     return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)

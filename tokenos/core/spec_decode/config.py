@@ -1,8 +1,9 @@
 """`SpeculativeConfig`: vLLM's `speculative_config` dict, checked.
 
 vLLM's keys are accepted as they are spelled there (`method`, `num_speculative_tokens`,
-`prompt_lookup_min`, `prompt_lookup_max`, `disable_by_batch_size`); a method or key tokenos does not
-build is refused, never ignored, since it would change what the user gets.
+`prompt_lookup_min`, `prompt_lookup_max`, `disable_by_batch_size`, and for "suffix" the
+`suffix_decoding_*` keys); a method or key tokenos does not build is refused, never ignored, since it
+would change what the user gets.
 """
 
 from __future__ import annotations
@@ -11,22 +12,29 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "suffix")
 # Built in vLLM, not here yet: refused by name so the error says so.
-NOT_BUILT = ("suffix", "draft_model", "mtp", "eagle", "eagle3", "medusa", "mlp_speculator")
+NOT_BUILT = ("draft_model", "mtp", "eagle", "eagle3", "medusa", "mlp_speculator")
 # Running requests above which a step schedules no drafts. Measured on the 2-vCPU Zen 4 box: drafts
 # that verify a chunk cost about what they save once a step already holds this many decodes (the
 # linears are compute-bound there), see docs/architecture.md.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
+_FLOAT_KEYS = ("suffix_decoding_max_spec_factor", "suffix_decoding_min_token_prob")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str = "ngram"
-    num_speculative_tokens: int = 4
+    # For "suffix" a maximum: the proposer picks each draft's length (vLLM defaults it to the tree depth).
+    num_speculative_tokens: int | None = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
+    # Suffix decoding (vLLM's names and defaults).
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         if self.method in NOT_BUILT:
@@ -35,6 +43,9 @@ class SpeculativeConfig:
             )
         if self.method not in METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; use one of {list(METHODS)}.")
+        if self.num_speculative_tokens is None:
+            default = self.suffix_decoding_max_tree_depth if self.method == "suffix" else 4
+            object.__setattr__(self, "num_speculative_tokens", default)
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}.")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -44,6 +55,10 @@ class SpeculativeConfig:
             )
         if self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}.")
+        if self.suffix_decoding_max_tree_depth < 1 or self.suffix_decoding_max_cached_requests < 0:
+            raise ValueError("suffix_decoding_max_tree_depth must be >= 1 and max_cached_requests >= 0.")
+        if self.suffix_decoding_max_spec_factor < 0 or not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            raise ValueError("suffix_decoding_max_spec_factor must be >= 0 and min_token_prob in [0, 1].")
 
     @classmethod
     def parse(cls, value: SpeculativeConfig | dict[str, Any] | str | None) -> SpeculativeConfig | None:
@@ -67,6 +82,7 @@ class SpeculativeConfig:
         if "method" not in value:
             raise ValueError('speculative_config needs a "method" (tokenos builds "ngram").')
         for key, v in value.items():
-            if key != "method" and (isinstance(v, bool) or not isinstance(v, int)):
-                raise ValueError(f"speculative_config.{key} must be an integer, got {v!r}.")
+            kinds = (int, float) if key in _FLOAT_KEYS else (int,)
+            if key != "method" and (isinstance(v, bool) or not isinstance(v, kinds)):
+                raise ValueError(f"speculative_config.{key} must be a number, got {v!r}.")
         return cls(**value)
