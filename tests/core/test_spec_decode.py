@@ -206,12 +206,23 @@ def test_large_batches_and_grammars_get_no_drafts():
     s, w, checker = make_engine(*LAYOUTS["full"](), speculative_config=config)
     s.proposer = Oracle(2, 2)
     for i in range(3):
-        s.add_request(make_request(f"r{i}", [i + 1, 9], max_tokens=4, ignore_eos=True))
+        s.add_request(make_request(f"r{i}", [i + 1, 9], max_tokens=30, ignore_eos=True))
     step(s, w, checker)
     assert all(not r.spec_token_ids for r in s.running)  # 3 running > 2: speculation is off
     s.finish_requests("r2", RequestStatus.FINISHED_ABORTED)
     step(s, w, checker)
     assert all(r.spec_token_ids for r in s.running)
+
+    class AnyToken:  # a grammar that allows everything: the worker would still need a mask per draft
+        def accept(self, token_id: int) -> bool:
+            return True
+
+        def is_terminated(self) -> bool:
+            return False
+
+    s.requests["r0"].grammar = AnyToken()
+    step(s, w, checker)
+    assert not s.requests["r0"].spec_token_ids and s.requests["r1"].spec_token_ids
 
 
 def test_hybrid_models_refuse_speculation_for_now():

@@ -265,14 +265,14 @@ class ModelRunner:
         ends = inputs.query_end
         index = np.concatenate([np.arange(e - w, e) for e, w in zip(ends, width, strict=True)])
         logits = self.model.compute_logits(hidden[torch.from_numpy(index)])
+        firsts = np.concatenate(([0], np.cumsum(width)[:-1]))  # each request's first logits row
         if grammar_masks:  # requests with a grammar get no drafts: one virtual row each
-            firsts = np.concatenate(([0], np.cumsum(width)[:-1]))
             virtual: list[str | None] = [None] * len(index)
             for row, rid in enumerate(req_ids):
                 virtual[int(firsts[row])] = rid
             apply_grammar_masks(logits, virtual, grammar_masks)
         discard = np.flatnonzero(~sample_mask).tolist()
-        tokens, logprobs, failed = self._spec_sample(logits, width, drafts, req_ids, discard)
+        tokens, logprobs, failed = self._spec_sample(logits, firsts, drafts, req_ids, discard)
         sampled_lists: list[list[int]] = []
         out_logprobs: list[list[TokenLogprobs] | None] = []
         for row in range(n):
@@ -292,7 +292,7 @@ class ModelRunner:
     def _spec_sample(
         self,
         logits: torch.Tensor,
-        width: np.ndarray,
+        firsts: np.ndarray,
         drafts: list[list[int]],
         req_ids: list[str],
         discard: list[int],
@@ -309,7 +309,6 @@ class ModelRunner:
             logger.exception("speculative verification failed; sampling without the drafts")
             for row, state in states.items():  # the draws are taken again, from where they were
                 sampling.generators[row].set_state(state)
-            firsts = np.concatenate(([0], np.cumsum(width)[:-1]))
             plain = sampling.make_metadata(n, discard_rows=discard)
             one, one_lp, failed = self._sample(logits[torch.from_numpy(firsts)], plain, req_ids)
             return [[t] for t in one], [None if lp is None else [lp] for lp in one_lp], failed

@@ -136,3 +136,19 @@ def test_what_speculation_cannot_serve_is_refused(tiny_llama, tmp_path):
     save_tiny("bamba", hybrid)
     with pytest.raises(ValueError, match="hybrid"):
         make_llm(hybrid, speculative_config=NGRAM)
+
+
+def test_a_failing_verification_falls_back_to_plain_sampling(tiny_llama):
+    """If the rejection sampler raises, the step goes on: every draft counts as rejected and each request
+    samples its real next position alone, so the output is still exactly right."""
+    folder, ref = tiny_llama
+    prompts = repetitive_prompts(3, seed=6)
+    llm = make_llm(folder, speculative_config=NGRAM)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("verification broke")
+
+    llm.engine.model_runner.rejection_sampler = broken
+    DENSE.check(DENSE.run(llm, prompts), prompts, ref)
+    spec = llm.get_metrics()["spec_decoding"]
+    assert spec["num_draft_tokens"] > 0 and spec["num_accepted_tokens"] == 0
