@@ -30,6 +30,9 @@ CASES = {
     "qwen2_sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
     "qwen3_qk_norm": ("qwen3", {"tie_word_embeddings": True}),
     "mistral_sliding": ("mistral", {"sliding_window": 8}),
+    "olmo2_post_norm": ("olmo2", {}),
+    "phi3_fused": ("phi3", {}),
+    "phi3_partial_rotary_tied": ("phi3", {"partial_rotary_factor": 0.5, "tie_word_embeddings": True}),
 }
 
 PROMPT = [(i * 37 + 11) % 120 + 3 for i in range(45)]

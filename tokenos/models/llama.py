@@ -43,13 +43,18 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.qk_heads(q, k)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(rope, q, k)
         return self.o_proj(self.attn(q, k, v, batch))
+
+    def qk_heads(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D] and k [T, KVH, D] from the flat projections (Qwen3: each head RMS-normed)."""
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k
 
 
 class DecoderMLP(nn.Module):
@@ -86,14 +91,19 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(DecoderStack):
-    def __init__(self, config: ModelConfig) -> None:
+    """``layer_cls`` and ``rotary_dim`` (partial rotary) let the Llama-like families (OLMo 2, Phi-3)
+    reuse the stack with their own layers."""
+
+    def __init__(
+        self, config: ModelConfig, layer_cls: type[nn.Module] = DecoderLayer, rotary_dim: int | None = None
+    ) -> None:
         embed = VocabEmbedding(config.vocab_size, config.hidden_size)
         rotary = RotaryEmbedding(
-            config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling
+            config.head_dim, config.max_model_len, config.rope_theta, config.rope_scaling, rotary_dim
         )
         super().__init__(
             ("embed_tokens", embed),
-            [DecoderLayer(config, rotary, window) for window in config.layer_sliding_windows],
+            [layer_cls(config, rotary, window) for window in config.layer_sliding_windows],
             ("norm", RMSNorm(config.hidden_size, config.rms_norm_eps)),
             rotary,
         )

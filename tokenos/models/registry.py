@@ -30,6 +30,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": Architecture("llama", "LlamaForCausalLM", {"attention_bias": True}),
     "Qwen3ForCausalLM": Architecture("llama", "LlamaForCausalLM", {"qk_norm": True}),
+    "Olmo2ForCausalLM": Architecture("olmo2", "Olmo2ForCausalLM"),
+    "Phi3ForCausalLM": Architecture("phi3", "Phi3ForCausalLM"),
     "Mamba2ForCausalLM": Architecture("mamba2", "Mamba2ForCausalLM"),
     "BambaForCausalLM": Architecture("bamba", "BambaForCausalLM"),
     "Qwen3NextForCausalLM": Architecture("qwen3_next", "Qwen3NextForCausalLM"),

@@ -107,6 +107,8 @@ def test_prompt_logprobs_match_transformers_and_come_once_for_n_samples(tiny_lla
         # layer 0 full attention, layer 1 sliding: two KV-cache groups with their own block tables
         ("qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}),
         ("llama", {"tie_word_embeddings": True}),
+        ("olmo2", {}),
+        ("phi3", {"partial_rotary_factor": 0.5}),
     ],
 )
 def test_families_parity(tmp_path, family, overrides):

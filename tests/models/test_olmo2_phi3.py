@@ -1,0 +1,42 @@
+"""OLMo 2 and Phi-3 beyond the shared dense parity cases (tests/models/test_parity.py): Phi-3's partial
+rotary really is partial, its unimplemented rope scalings are refused, and both families generate
+transformers' greedy tokens through `LLM` under a small chunked-prefill budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fixtures.checkpoints import LLM_SHAPE, load_ours, save_tiny
+from tests.fixtures.llm import DENSE, make_llm
+
+
+def test_phi3_partial_rotary_dim(make_checkpoint):
+    folder, _ = make_checkpoint("phi3", partial_rotary_factor=0.5)
+    model, config = load_ours(folder)
+    assert model.stack.rotary.rotary_dim == config.head_dim // 2
+
+
+def test_phi3_longrope_is_refused(make_checkpoint):
+    from tokenos.models import build_model, load_model_config
+    from tokenos.models.phi3 import Phi3ForCausalLM
+
+    half = 16 // 2  # head_dim 16, full rotary
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half}
+    rope |= {"long_factor": [2.0] * half, "original_max_position_embeddings": 64}
+    folder, _ = make_checkpoint("phi3", rope_parameters=rope, original_max_position_embeddings=64)
+    with pytest.raises(ValueError, match="longrope"):
+        build_model(load_model_config(folder, dtype="float32"))
+    # The model itself refuses it too, whatever the config layer lets through.
+    config = load_model_config(make_checkpoint("phi3")[0], dtype="float32")
+    config.hf_config["rope_parameters"] = rope
+    with pytest.raises(ValueError, match="rope_scaling type 'longrope' is not supported yet"):
+        Phi3ForCausalLM(config)
+
+
+@pytest.mark.parametrize("family,overrides", [("olmo2", {}), ("phi3", {"partial_rotary_factor": 0.5})])
+def test_greedy_parity_chunked_prefill(tmp_path, family, overrides):
+    folder = str(tmp_path / family)
+    ref = save_tiny(family, folder, perturbed=False, **LLM_SHAPE, **overrides)
+    prompts = DENSE.prompts(3, 5, 40, seed=13)
+    llm = make_llm(folder, block_size=16, max_num_batched_tokens=8)  # every prompt over several chunks
+    DENSE.check(DENSE.run(llm, prompts), prompts, ref)

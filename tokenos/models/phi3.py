@@ -1,0 +1,57 @@
+"""Phi-3: the Llama decoder with q/k/v and gate/up stored fused in the checkpoint, and partial rotary.
+
+The checkpoint's ``qkv_proj`` and ``gate_up_proj`` are split into our fused layers' shards at load (so
+the loader still checks every shard arrives); ``partial_rotary_factor`` rotates only the first
+``head_dim * factor`` dims of each head. Only default rope is implemented: Phi-3's longrope (``su``,
+``yarn``) is refused when the model is built rather than run wrong.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tokenos.layers.linear import MergedLinear
+from tokenos.models.base import CausalLM
+from tokenos.models.config import ModelConfig
+from tokenos.models.llama import DecoderModel
+
+
+def _rope_settings(config: ModelConfig) -> tuple[str, float]:
+    """(rope type, partial rotary factor) from the checkpoint's rope_parameters / rope_scaling."""
+    cfg = config.hf_config
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+    return rope_type, float(factor)
+
+
+def split_whole_on_load(module: MergedLinear) -> None:
+    """Make `module` take a checkpoint tensor of the whole fused projection, split into its shards."""
+    shard_ids = module.shard_ids()
+
+    def loader(param: nn.Parameter, loaded: torch.Tensor, *shard: str | int) -> None:
+        if shard:
+            module.weight_loader(param, loaded, *shard)
+            return
+        for shard_id, part in zip(shard_ids, loaded.split(module.output_sizes, 0), strict=True):
+            module.weight_loader(param, part, shard_id)
+
+    for p in module.parameters():
+        p.weight_loader = loader
+        p.shard_ids = (None,)  # the checkpoint provides the whole tensor at once
+
+
+class Phi3ForCausalLM(CausalLM):
+    packed_modules_mapping: dict = {}
+
+    def __init__(self, config: ModelConfig) -> None:
+        rope_type, factor = _rope_settings(config)
+        if rope_type != "default" or config.rope_scaling is not None:
+            rope_type = rope_type if rope_type != "default" else config.rope_scaling.get("rope_type")
+            raise ValueError(f"Phi3: rope_scaling type {rope_type!r} is not supported yet")
+        rotary_dim = int(config.head_dim * factor)
+        super().__init__(config, "model", DecoderModel(config, rotary_dim=rotary_dim))
+        for layer in self.stack.layers:
+            split_whole_on_load(layer.self_attn.qkv_proj)
+            split_whole_on_load(layer.mlp.gate_up_proj)
