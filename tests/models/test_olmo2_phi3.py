@@ -1,6 +1,7 @@
 """OLMo 2 and Phi-3 beyond the shared dense parity cases (tests/models/test_parity.py): Phi-3's partial
-rotary really is partial, its unimplemented rope scalings are refused, and both families generate
-transformers' greedy tokens through `LLM` under a small chunked-prefill budget."""
+rotary really is partial, its unimplemented rope scalings are refused, and both families (and Granite,
+with its muP multipliers) generate transformers' greedy tokens through `LLM` under a small chunked-prefill
+budget."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def test_phi3_longrope_is_refused(make_checkpoint):
         Phi3ForCausalLM(config)
 
 
-@pytest.mark.parametrize("family,overrides", [("olmo2", {}), ("phi3", {"partial_rotary_factor": 0.5})])
+@pytest.mark.parametrize(
+    "family,overrides", [("olmo2", {}), ("phi3", {"partial_rotary_factor": 0.5}), ("granite", {})]
+)
 def test_greedy_parity_chunked_prefill(tmp_path, family, overrides):
     folder = str(tmp_path / family)
     ref = save_tiny(family, folder, perturbed=False, **LLM_SHAPE, **overrides)

@@ -33,6 +33,8 @@ CASES = {
     "olmo2_post_norm": ("olmo2", {}),
     "phi3_fused": ("phi3", {}),
     "phi3_partial_rotary_tied": ("phi3", {"partial_rotary_factor": 0.5, "tie_word_embeddings": True}),
+    "granite_mup": ("granite", {}),
+    "granite_mup_tied_bias": ("granite", {"tie_word_embeddings": True, "attention_bias": True}),
 }
 
 PROMPT = [(i * 37 + 11) % 120 + 3 for i in range(45)]

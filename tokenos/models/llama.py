@@ -70,6 +70,9 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # Scales each sublayer's output before the residual add (Granite's residual_multiplier); None: off.
+    output_scale: float | None = None
+
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -86,8 +89,12 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = pre_norm(self.input_layernorm, x, residual)
         x = self.self_attn(rope, x, batch)
+        scale = self.output_scale
+        if scale is not None:
+            x = x * scale
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x = self.mlp(x)
+        return (x if scale is None else x * scale), residual
 
 
 class DecoderModel(DecoderStack):

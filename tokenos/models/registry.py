@@ -32,6 +32,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "Qwen3ForCausalLM": Architecture("llama", "LlamaForCausalLM", {"qk_norm": True}),
     "Olmo2ForCausalLM": Architecture("olmo2", "Olmo2ForCausalLM"),
     "Phi3ForCausalLM": Architecture("phi3", "Phi3ForCausalLM"),
+    "GraniteForCausalLM": Architecture("granite", "GraniteForCausalLM"),
     "Mamba2ForCausalLM": Architecture("mamba2", "Mamba2ForCausalLM"),
     "BambaForCausalLM": Architecture("bamba", "BambaForCausalLM"),
     "Qwen3NextForCausalLM": Architecture("qwen3_next", "Qwen3NextForCausalLM"),
