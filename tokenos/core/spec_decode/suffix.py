@@ -209,36 +209,20 @@ class _Tree:
         tokens = seq.tokens
         node = self.root
         for q in range(i, stop):
-            token = tokens[q]
-            node.total += 1
-            child = _child(node, token)
-            if child is None:
+            child = _descend(node, tokens[q], q)
+            if child is None:  # the rest of this occurrence is new: one tail reads it from seq
                 tail = _Tail(seq, q, stop, q, live)
                 _attach(node, tail)
                 return tail
-            if child.__class__ is _Tail:
-                child = _split(node, child, q)
-            else:
-                child.count += 1
-                child.last = q
-            _promote(node, child)
             node = child
         return node
 
     def _grow(self, node: _Node, live: _Live, token: int, stamp: int) -> _Child:
         """live's open path at node goes on to token (at position live.end)."""
-        node.total += 1
-        child = _child(node, token)
+        child = _descend(node, token, stamp)
         if child is None:
             child = _Tail(live.seq, live.end, live.end + 1, stamp, live)
             _attach(node, child)
-            return child
-        if child.__class__ is _Tail:
-            child = _split(node, child, stamp)
-        else:
-            child.count += 1
-            child.last = stamp
-        _promote(node, child)
         return child
 
     def append(self, live: _Live, token: int, stamp: int) -> None:
@@ -517,3 +501,19 @@ class SuffixProposer:
                 out.append(seq.tokens[pos - seq.offset])
             score += prob
         return out, score
+
+
+def _descend(node: _Node, token: int, stamp: int) -> _Node | None:
+    """One more occurrence passes through node on to token: count it and return that child (a tail in
+    the way is split first), or None when node has no such child yet (the caller attaches one)."""
+    node.total += 1
+    child = _child(node, token)
+    if child is None:
+        return None
+    if child.__class__ is _Tail:
+        child = _split(node, child, stamp)
+    else:
+        child.count += 1
+        child.last = stamp
+    _promote(node, child)
+    return child
