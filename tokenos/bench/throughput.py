@@ -98,14 +98,17 @@ def spec_figures(before: dict, after: dict) -> dict:
     """Speculative decoding in the timed run: acceptance rate and mean acceptance length."""
     if "spec_decoding" not in after:
         return {}
+    from tokenos.entrypoints.llm import spec_summary
+
     was, now = before["spec_decoding"], after["spec_decoding"]
-    drafts = now["num_drafts"] - was["num_drafts"]
-    proposed = now["num_draft_tokens"] - was["num_draft_tokens"]
-    accepted = now["num_accepted_tokens"] - was["num_accepted_tokens"]
+    timed = {key: now[key] - was[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")}
+    pairs = zip(now["accepted_per_pos"], was["accepted_per_pos"], strict=True)
+    timed["accepted_per_pos"] = [a - b for a, b in pairs]
+    summary = spec_summary(timed)
     return {
-        "spec_draft_tokens": proposed,
-        "spec_acceptance_rate": round(accepted / proposed, 3) if proposed else 0.0,
-        "spec_mean_acceptance_length": round(1 + accepted / drafts, 2) if drafts else 0.0,
+        "spec_draft_tokens": summary["num_draft_tokens"],
+        "spec_acceptance_rate": round(summary["acceptance_rate"], 3),
+        "spec_mean_acceptance_length": round(summary["mean_acceptance_length"], 2),
     }
 
 

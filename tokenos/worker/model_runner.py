@@ -265,7 +265,7 @@ class ModelRunner:
         ends = inputs.query_end
         index = np.concatenate([np.arange(e - w, e) for e, w in zip(ends, width, strict=True)])
         logits = self.model.compute_logits(hidden[torch.from_numpy(index)])
-        firsts = np.concatenate(([0], np.cumsum(width)[:-1]))  # each request's first logits row
+        firsts = np.cumsum(width) - width  # each request's first logits row
         if grammar_masks:  # requests with a grammar get no drafts: one virtual row each
             virtual: list[str | None] = [None] * len(index)
             for row, rid in enumerate(req_ids):
