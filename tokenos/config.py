@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 HASH_ALGOS = ("sha256", "xxhash", "blake2b")
+# Weight quantization (--quantization): see tokenos.models.config.resolve_quantization.
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 MAMBA_CACHE_MODES = ("align", "none", "all")
 
 

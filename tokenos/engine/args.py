@@ -31,6 +31,8 @@ class EngineArgs:
     )
     served_model_name: str | list[str] | None = None  # the names clients use (the first is answered with)
     dtype: str = "auto"
+    # Weights: None / "auto" (the checkpoint's own: GGUF blocks stay quantized), "none", "int8", "int4".
+    quantization: str | None = None
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -83,7 +85,9 @@ class EngineArgs:
             get_reasoning_parser(self.reasoning_parser)  # ValueError naming the known parsers
         check_backend_available(self.structured_outputs_backend)
         self.speculative()  # ValueError on a bad or unbuilt speculative_config, before loading anything
-        model_config = load_model_config(self.model, dtype=self.dtype, max_model_len=self.max_model_len)
+        model_config = load_model_config(
+            self.model, dtype=self.dtype, max_model_len=self.max_model_len, quantization=self.quantization
+        )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=max(self.max_num_batched_tokens, 1),

@@ -45,7 +45,10 @@ class AsyncLLM:
 
         self.engine_args = engine_args
         self.model_config = load_model_config(
-            engine_args.model, dtype=engine_args.dtype, max_model_len=engine_args.max_model_len
+            engine_args.model,
+            dtype=engine_args.dtype,
+            max_model_len=engine_args.max_model_len,
+            quantization=engine_args.quantization,
         )
         self.served_model_name = engine_args.served_model_name or model_name(self.model_config)
         # Request defaults from the model's generation config, read once for every endpoint.

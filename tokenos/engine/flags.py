@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenos.config import HASH_ALGOS
+from tokenos.config import HASH_ALGOS, QUANTIZATION_CHOICES
 
 logger = logging.getLogger("tokenos.flags")
 
@@ -125,6 +125,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         nargs="+",
     ),
     Flag(("--dtype",), "dtype", "auto, bfloat16, float16 or float32 (auto: bfloat16 where the CPU has it)"),
+    Flag(
+        ("--quantization", "-q"),
+        "quantization",
+        "weights: auto (a GGUF's Q8_0/Q4_0/Q4_1 blocks stay quantized), none (all dense), int8 or int4"
+        " (weight-only, quantized at load)",
+        choices=QUANTIZATION_CHOICES,
+    ),
     Flag(
         ("--max-model-len",),
         "max_model_len",
@@ -300,7 +307,6 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
         ("--pipeline-parallel-size", "-pp"), "one CPU process: no pipeline parallelism yet", harmless=_is(1)
     ),
     VllmFlag(("--data-parallel-size", "-dp"), "one engine: no data parallelism yet", harmless=_is(1)),
-    VllmFlag(("--quantization", "-q"), "quantized checkpoints are not supported yet", harmless=_never),
     VllmFlag(("--enable-lora",), "LoRA adapters are not supported yet", harmless=_never, takes_value=False),
     VllmFlag(("--lora-modules",), "LoRA adapters are not supported yet", harmless=_never),
     VllmFlag(("--hf-overrides",), "it would change the model's config", harmless=_never),

@@ -26,7 +26,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = tuple(_CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "step_ops.c"))
+_SOURCES = tuple(
+    _CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "step_ops.c", "qlinear.c")
+)
 _HEADERS = (_CSRC / "vec_math.h",)
 MAX_HEAD_SIZE = 512  # MAX_HEAD in the C source
 _P = ctypes.c_void_p
@@ -40,6 +42,10 @@ _SIGNATURES = {
     "rotary": [_P, _I64, _I, _P, _I64, _I, _I, _I, _P, _P, _I64],
 }
 _PREFILL_SIGNATURE = [_P, _I64, _P, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I64]
+_QLINEAR_SIGNATURES = {
+    "qgemm_bf16": [_P, _I64, _I64, _P, _P, _P, _I, _I, _I64, _I64, _P, _I64, _I],
+    "qgemm_f32": [_P, _I64, _I64, _P, _P, _P, _I, _I, _I64, _I64, _P, _I64],
+}
 # The dtypes the kernels are written for: tensors of other dtypes take the torch path.
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -112,7 +118,22 @@ def load() -> ctypes.CDLL | None:
     lib.paged_prefill_bf16.restype = None
     lib.paged_prefill_supports.argtypes = [_I, _I, _I]
     lib.paged_prefill_available.argtypes = []
+    lib.qlinear_available.argtypes = []
+    for name, argtypes in _QLINEAR_SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
     return lib
+
+
+@cache
+def qgemm_kernel(dtype: torch.dtype):
+    """csrc/qlinear.c's ``qgemm`` for activations in ``dtype``, or None where the library or this CPU
+    lacks it (fp32: AVX2 + FMA + F16C; bf16: AVX512-BF16)."""
+    lib = load()
+    if lib is None or dtype not in DTYPES:
+        return None
+    bit = 2 if dtype == torch.bfloat16 else 1
+    return getattr(lib, f"qgemm_{DTYPES[dtype]}") if lib.qlinear_available() & bit else None
 
 
 def usable(*tensors: torch.Tensor) -> bool:

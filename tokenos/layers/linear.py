@@ -11,6 +11,13 @@ BF16 CPU: 1.3-2.4x faster than ``F.linear`` for the decode rows (M = 1..64), eve
 and float32 alike. On a CPU without native bf16 a bf16 model's weights are packed in float32 (its
 arithmetic there is emulated and 5-30x slower): activations go in as float32, results are rounded to
 bf16. ``TOKENOS_PACK_LINEARS=0`` keeps the plain ``F.linear`` path (the reference).
+
+Quantization. A weight (or each shard of a fused one) may arrive as a `QuantizedTensor` (a GGUF Q4_0 /
+Q4_1 / Q8_0 tensor, a GPTQ / AWQ group): it is held aside, never dequantized, and ``pack()`` turns it
+into a `QuantizedWeight` the layer runs from (see `tokenos.layers.quantization`). ``pack("int8")`` /
+``pack("int4")`` quantize a dense weight at load instead. A fused layer whose shards came partly
+quantized and partly dense (a GGUF mixing block types) runs dense, with the quantized shards
+dequantized into it: exact, at the dense size.
 """
 
 from __future__ import annotations
@@ -21,7 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenos.layers.weights import copy_rows, make_param
+from tokenos.layers.quantization import ONLINE_METHODS, QuantizedTensor, QuantizedWeight, quantize
+from tokenos.layers.weights import copy_rows, default_weight_loader, make_param
 from tokenos.platform import native_bf16_supported
 
 
@@ -32,24 +40,80 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = make_param(output_size, input_size)
         self.bias = make_param(output_size) if bias else None
-
+        self.weight.weight_loader = self.weight_loader
         self.packed: PackedWeight | None = None
+        self.quantized: QuantizedWeight | None = None
+        # Shard id (None: the whole weight) -> its quantized checkpoint tensor, until pack().
+        self.quantized_shards: dict[int | str | None, QuantizedTensor] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized(x, self.bias)
         if self.packed is not None:
             return self.packed(x, self.bias)
         if x.dtype == torch.bfloat16 and not native_bf16_supported():
             return _upcast_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def pack(self) -> None:
-        """Run from a oneDNN-packed copy of the weight from now on (after loading), dropping the plain
-        one; a no-op where packing is off or unavailable."""
+    def shard_ids(self) -> tuple[int | str | None, ...]:
+        """The shard ids a complete checkpoint provides for this module's weight."""
+        return (None,)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
+        if isinstance(loaded, QuantizedTensor) and param is self.weight:
+            self._check_shard_shape(loaded.shape, shard_id)
+            self.quantized_shards[shard_id] = loaded
+        elif isinstance(loaded, QuantizedTensor):
+            raise ValueError("only a linear's weight can be quantized")
+        else:
+            self.load_dense(param, loaded, shard_id)
+
+    def load_dense(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None) -> None:
+        default_weight_loader(param, loaded)
+
+    def _check_shard_shape(self, shape: tuple[int, int], shard_id: int | str | None) -> None:
+        expected = (
+            tuple(self.weight.shape)
+            if shard_id is None
+            else (self.shard_offset(shard_id)[1], self.weight.shape[1])
+        )
+        if tuple(shape) != expected:
+            raise ValueError(f"checkpoint tensor of shape {tuple(shape)} does not fit {expected}")
+
+    def pack(self, quantization: str | None = None) -> None:
+        """Get ready to serve, once loaded: run from the quantized checkpoint weight if it came so, from
+        a weight quantized now if ``quantization`` is "int8" / "int4", or else from a oneDNN-packed copy
+        (where packing is on); the plain weight is dropped in all three cases."""
+        if self.quantized_shards:
+            self._pack_quantized()
+        elif quantization in ONLINE_METHODS and self.weight is not None:
+            self.quantized = QuantizedWeight(
+                quantize(self.weight.detach(), 8 if quantization == "int8" else 4)
+            )
+            self.weight = None
+        if self.quantized is not None:
+            return
         if self.packed is None and packing_enabled():
             self.packed = PackedWeight(self.weight.detach())
             self.weight = None
-            if self.bias is not None and self.packed.compute_dtype != self.bias.dtype:
-                self.bias.data = self.bias.data.to(self.packed.compute_dtype)
+            self._bias_to(self.packed.compute_dtype)
+
+    def _bias_to(self, dtype: torch.dtype) -> None:
+        if self.bias is not None and self.bias.dtype != dtype:
+            self.bias.data = self.bias.data.to(dtype)
+
+    def _pack_quantized(self) -> None:
+        shards = self.quantized_shards
+        self.quantized_shards = {}
+        order = self.shard_ids()
+        if set(shards) == set(order):
+            self.quantized = QuantizedWeight(QuantizedTensor.cat([shards[i] for i in order]))
+            self.weight = None
+            return
+        for shard_id, t in shards.items():  # mixed with dense shards: run dense
+            self.load_dense(self.weight, t.dequantize(), shard_id)
 
 
 def packing_enabled() -> bool:
@@ -86,8 +150,8 @@ class MergedLinear(Linear):
     """Several linears sharing an input, stacked along the output (shard_id = index)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
         self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
         for p in self.parameters():
             p.weight_loader = self.weight_loader
             p.shard_ids = self.shard_ids()
@@ -100,7 +164,7 @@ class MergedLinear(Linear):
         index = int(shard_id)
         return sum(self.output_sizes[:index]), self.output_sizes[index]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str) -> None:
+    def load_dense(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | str | None) -> None:
         copy_rows(param, loaded, *self.shard_offset(shard_id))
 
 

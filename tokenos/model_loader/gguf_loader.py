@@ -4,20 +4,30 @@ llama.cpp's converter renames every tensor (``blk.N.attn_q`` ...) and, for the l
 architecture only, permutes the rows of q and k so that rotary pairs are interleaved. We
 rename back to Hugging Face names and undo that permutation, so the model code sees exactly
 what it would see from a safetensors folder.
+
+Quantized blocks stay quantized where our packed layout holds them exactly (`gguf_quantized`): Q8_0 is
+int8 with one fp16 scale per 32, Q4_0 is int4 with scale d and zero -8d, Q4_1 int4 with scale d and
+zero m. Those tensors are yielded as `QuantizedTensor`s; every other block type (the K-quants, IQ*) is
+dequantized to float32, and the load says so in one log line.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import re
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
+from tokenos.layers.quantization import QuantizedTensor
 from tokenos.model_loader.gguf_file import GGUFFile
+
+logger = logging.getLogger(__name__)
 
 # GGUF tensor name (without blk.N. prefix and .weight/.bias suffix) -> HF module path.
 _LAYER_NAMES = {
@@ -108,17 +118,69 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weight.shape)
 
 
-def iter_gguf_weights(path: str, num_heads: int, num_kv_heads: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, float32 tensor) for every tensor, dequantized and un-permuted."""
+# ggml type -> (bits, bytes per 32-weight block) of the block types held exactly by QuantizedTensor.
+_Q8_0, _Q4_0, _Q4_1 = 8, 2, 3
+_KEPT_TYPES = {_Q8_0: 34, _Q4_0: 18, _Q4_1: 20}
+
+
+def gguf_quantized(raw: np.ndarray, ggml_type: int) -> QuantizedTensor | None:
+    """A 2-D GGUF tensor's raw rows ([N, bytes per row]) as a `QuantizedTensor`, or None for a block type
+    that is not held exactly (dequantize it instead). Exact: ``dequantize()`` equals gguf's own."""
+    block = _KEPT_TYPES.get(ggml_type)
+    if block is None or raw.ndim != 2:
+        return None
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, block)
+    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16).reshape(n, -1))
+    if ggml_type == _Q8_0:
+        q = torch.from_numpy(blocks[..., 2:].copy().view(np.int8).reshape(n, -1))
+        return QuantizedTensor(q, d, None, 8, 32)
+    packed = blocks[..., 4 if ggml_type == _Q4_1 else 2 :]
+    # Each block's 16 bytes hold weights j (low nibble) and j + 16 (high nibble).
+    nibbles = np.concatenate([packed & 15, packed >> 4], axis=-1).reshape(n, -1)
+    q = torch.from_numpy(np.ascontiguousarray(nibbles))
+    if ggml_type == _Q4_1:
+        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).reshape(n, -1))
+        return QuantizedTensor(q, d, m, 4, 32)
+    return QuantizedTensor(q, d, d * -8, 4, 32)
+
+
+def iter_gguf_weights(
+    path: str, num_heads: int, num_kv_heads: int, keep_quantized: bool = True
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """Yield (HF name, tensor) for every tensor, un-permuted: a `QuantizedTensor` for the 2-D weights
+    whose blocks stay quantized (with ``keep_quantized``), float32 for every other one."""
     reader = open_gguf(path)
     permuted = _field(reader, "general.architecture") == "llama"
+    dequantized: Counter[str] = Counter()
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         if name is None:
             continue  # e.g. rope_freqs: not a module weight
-        array = reader.dequantize(tensor)
         if permuted and name.endswith("q_proj.weight"):
-            array = unpermute_qk(array, num_heads)
+            fix = functools.partial(unpermute_qk, n_head=num_heads)
         elif permuted and name.endswith("k_proj.weight"):
-            array = unpermute_qk(array, num_kv_heads)
+            fix = functools.partial(unpermute_qk, n_head=num_kv_heads)
+        else:
+            fix = None
+        quantized = gguf_quantized(reader.raw(tensor), tensor.ggml_type) if keep_quantized else None
+        if quantized is not None:
+            yield name, quantized if fix is None else quantized.map_rows(fix)
+            continue
+        if tensor.ggml_type not in _FLOAT_TYPES:
+            dequantized[_type_name(tensor.ggml_type)] += 1
+        array = reader.dequantize(tensor)
+        array = array if fix is None else fix(array)
         yield name, torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+    if dequantized:
+        kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(dequantized.items()))
+        logger.info("GGUF: dequantized %s tensor(s) at load (kept quantized: Q8_0, Q4_0, Q4_1)", kinds)
+
+
+_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16
+
+
+def _type_name(ggml_type: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    return GGMLQuantizationType(ggml_type).name

@@ -26,6 +26,7 @@ class CheckpointConfig(Protocol):
     tie_word_embeddings: bool
     num_attention_heads: int
     num_key_value_heads: int
+    quantization: str | None
 
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -36,7 +37,12 @@ def iter_checkpoint_weights(config: CheckpointConfig) -> Iterator[tuple[str, tor
     if config.gguf_file:
         from tokenos.model_loader.gguf_loader import iter_gguf_weights
 
-        return iter_gguf_weights(config.model_path, config.num_attention_heads, config.num_key_value_heads)
+        return iter_gguf_weights(
+            config.model_path,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            keep_quantized=config.quantization == "gguf",
+        )
     from tokenos.model_loader.safetensors_loader import iter_safetensors_weights
 
     return iter_safetensors_weights(config.model_path)

@@ -20,12 +20,13 @@ def build_model(model_config: ModelConfig, load: bool = True) -> nn.Module:
         torch.set_default_dtype(previous)
     if load:
         load_weights(model, model_config)
-        pack_for_inference(model)
+        pack_for_inference(model, model_config.quantization)
     return model.eval()
 
 
-def pack_for_inference(model: nn.Module) -> None:
-    """Reorder every packable layer's weights once for the CPU's fast kernels (see layers/linear.py)."""
+def pack_for_inference(model: nn.Module, quantization: str | None = None) -> None:
+    """Reorder every packable layer's weights once for the CPU's fast kernels (see layers/linear.py),
+    quantizing the dense linears with ``quantization`` "int8" / "int4"."""
     for module in model.modules():
         if hasattr(module, "pack"):
-            module.pack()
+            module.pack(quantization)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tokenos.config import QUANTIZATION_CHOICES
 from tokenos.model_loader.embedded import default_model_path
 from tokenos.model_loader.gguf_loader import read_gguf_config
 from tokenos.models.registry import get_architecture
@@ -48,6 +49,9 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     gguf_file: str | None = None  # set for GGUF checkpoints: the file name inside model_dir
+    # Weight quantization (`resolve_quantization`): "gguf" (GGUF blocks kept), "int8" / "int4" (online),
+    # or None (dense weights).
+    quantization: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -83,8 +87,32 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return torch.bfloat16 if native_bf16_supported() else torch.float32
 
 
+def resolve_quantization(requested: str | None, gguf: bool, hf_config: dict[str, Any]) -> str | None:
+    """The weight quantization to load with. ``None`` / "auto": the checkpoint's own (a GGUF's blocks
+    stay quantized); "none": every weight dense (GGUF blocks dequantized); "int8" / "int4": weight-only
+    quantization of the dense weights at load; "gguf": a GGUF file's blocks, kept."""
+    requested = "auto" if requested is None else str(requested).lower()
+    if requested not in QUANTIZATION_CHOICES:
+        raise ValueError(
+            f"quantization={requested!r} is not supported; choose one of {', '.join(QUANTIZATION_CHOICES)}"
+        )
+    method = (hf_config.get("quantization_config") or {}).get("quant_method")
+    if method is not None and requested != "auto":
+        raise ValueError(f"the checkpoint is already quantized ({method}); leave quantization unset")
+    if method is not None:
+        raise ValueError(f"checkpoints quantized with {method!r} are not supported yet")
+    if requested == "gguf" and not gguf:
+        raise ValueError("quantization='gguf' needs a .gguf checkpoint")
+    if requested == "auto":
+        return "gguf" if gguf else None
+    return None if requested == "none" else requested
+
+
 def load_model_config(
-    path: str | None, dtype: str | torch.dtype = "auto", max_model_len: int | None = None
+    path: str | None,
+    dtype: str | torch.dtype = "auto",
+    max_model_len: int | None = None,
+    quantization: str | None = None,
 ) -> ModelConfig:
     """Resolve a ModelConfig from an HF folder, a GGUF file, or (None) the embedded default."""
     path = default_model_path() if path is None else path
@@ -95,6 +123,9 @@ def load_model_config(
     else:
         raise FileNotFoundError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
     fields["dtype"] = resolve_dtype(dtype)
+    fields["quantization"] = resolve_quantization(
+        quantization, "gguf_file" in fields, fields.get("hf_config", {})
+    )
     fields["max_model_len"] = _resolve_max_model_len(fields["max_position_embeddings"], max_model_len)
     return ModelConfig(model_path=path, **fields)
 

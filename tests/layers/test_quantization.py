@@ -1,0 +1,202 @@
+"""Weight-only quantized linears (tokenos/layers/quantization.py, csrc/qlinear.c): the kernel against
+the dequantized torch reference over random shapes, group sizes, bits and row counts (both the few-row
+and the panel path), the packed layout against the logical tensor, GGUF's Q8_0 / Q4_0 / Q4_1 blocks
+against gguf's own dequantization, and the layers that load quantized shards."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenos.layers import cpu_kernels
+from tokenos.layers.embedding import LMHead, VocabEmbedding
+from tokenos.layers.linear import Linear, QKVLinear
+from tokenos.layers.quantization import QuantizedTensor, QuantizedWeight, quantize
+from tokenos.model_loader.gguf_loader import gguf_quantized
+from tokenos.platform import native_bf16_supported
+
+KERNEL_DTYPES = [
+    d
+    for d in (torch.float32, torch.bfloat16)
+    if cpu_kernels.qgemm_kernel(d) is not None and (d == torch.float32 or native_bf16_supported())
+]
+
+
+def _random_tensor(n: int, k: int, bits: int, group: int, zeros: bool, seed: int) -> QuantizedTensor:
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    else:
+        q = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
+    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half()
+    z = (torch.randn(n, k // group, generator=g) * 0.05).half() if zeros else None
+    return QuantizedTensor(q, scales, z, bits, group)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    blocks=st.integers(1, 5),
+    tail=st.integers(0, 15),
+    groups=st.integers(1, 4),
+    group=st.sampled_from([2, 8, 16, 32, 64, 3, 5]),
+    bits=st.sampled_from([4, 8]),
+    zeros=st.booleans(),
+)
+def test_packing_round_trips(blocks, tail, groups, group, bits, zeros):
+    n, k = 16 * blocks - tail, groups * group
+    t = _random_tensor(n, k, bits, group, zeros, seed=n * k)
+    back = QuantizedWeight(t).unpack()
+    assert torch.equal(back.q, t.q)
+    assert torch.equal(back.scales, t.scales)
+    assert (back.zeros is None) == (t.zeros is None)
+    if zeros:
+        assert torch.equal(back.zeros, t.zeros)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize(
+    ("n", "k", "group"), [(40, 64, 32), (17, 128, 128), (100, 96, 16), (48, 40, 8), (33, 30, 6)]
+)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_kernel_matches_dequantized_reference(bits, zeros, n, k, group, dtype):
+    t = _random_tensor(n, k, bits, group, zeros, seed=n + k + bits)
+    qw = QuantizedWeight(t)
+    weight = t.dequantize()
+    # 1..8 rows take the few-row path, more the panel path (6-row tiles and their remainders).
+    for m in (1, 2, 3, 5, 8, 9, 13, 70):
+        x = torch.randn(m, k).to(dtype)
+        want = F.linear(x.float(), weight)
+        got = qw(x)
+        assert got.dtype == dtype and got.shape == (m, n)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        scale = want.abs().max().item()
+        # bf16: the only extra rounding is of each dequantized weight (panel path) and of the output.
+        assert (got.float() - want).abs().max().item() <= tol * scale, (m, dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES)
+def test_kernel_float32_output_bias_and_strided_rows(dtype):
+    t = _random_tensor(50, 64, 4, 32, True, seed=3)
+    qw = QuantizedWeight(t)
+    base = torch.randn(7, 128).to(dtype)
+    x = base[:, :64]  # rows with a stride: the kernel reads them in place
+    bias = torch.randn(50).to(dtype)
+    want = F.linear(x.float(), t.dequantize(), bias.float())
+    got = qw(x, bias)
+    assert torch.allclose(got.float(), want, atol=2e-2 * want.abs().max().item())
+    logits = qw(x, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32
+    assert torch.allclose(logits, F.linear(x.float(), t.dequantize()), rtol=1e-2, atol=1e-2)
+
+
+def test_torch_path_without_kernel_is_the_reference(monkeypatch):
+    t = _random_tensor(20, 64, 8, 16, False, seed=5)
+    qw = QuantizedWeight(t)
+    monkeypatch.setattr(qw, "_gemms", {})
+    x = torch.randn(3, 64)
+    assert torch.allclose(qw(x), F.linear(x, t.dequantize()), atol=1e-5)
+    assert torch.equal(qw.dequantize(), t.dequantize())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_are_dequantized_table_rows(bits):
+    t = _random_tensor(70, 48, bits, 16, bits == 4, seed=9)
+    qw = QuantizedWeight(t)
+    ids = torch.tensor([[0, 69, 15], [16, 33, 8]])
+    assert torch.equal(qw.rows(ids, torch.float32), t.dequantize()[ids])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_online_quantization_error_is_half_a_step(bits):
+    w = torch.randn(64, 256) * 0.1
+    t = quantize(w, bits)
+    assert t.group == (128 if bits == 8 else 32)
+    step = t.scales.float().repeat_interleave(t.group, dim=1)
+    err = (t.dequantize() - w).abs()
+    # Half a quantization step, plus the fp16 rounding of scale and zero.
+    assert bool((err <= step * 0.5 + 1e-3 * w.abs().max()).all())
+    assert quantize(torch.zeros(16, 32), bits).dequantize().abs().max() == 0
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_blocks_map_exactly(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    from gguf.quants import quantize as gguf_quantize
+
+    kind = GGMLQuantizationType[qtype]
+    data = np.random.default_rng(0).standard_normal((48, 160)).astype(np.float32)
+    raw = gguf_quantize(data, kind)
+    t = gguf_quantized(raw, int(kind))
+    assert t is not None and t.group == 32 and t.bits == (8 if qtype == "Q8_0" else 4)
+    assert np.array_equal(t.dequantize().numpy(), dequantize(raw, kind))
+    # And through the packed layout and the kernel's own dequantization.
+    assert np.array_equal(QuantizedWeight(t).dequantize().numpy(), dequantize(raw, kind))
+    assert gguf_quantized(raw, int(GGMLQuantizationType.Q6_K)) is None
+
+
+def test_fused_linear_takes_quantized_shards():
+    torch.manual_seed(0)
+    layer = QKVLinear(64, 16, 4, 2, bias=False)
+    shards = {name: quantize(torch.randn(rows, 64), 4) for name, rows in (("q", 64), ("k", 32), ("v", 32))}
+    for name, t in shards.items():
+        layer.weight.weight_loader(layer.weight, t, name)
+    layer.pack()
+    assert layer.weight is None and layer.quantized is not None
+    x = torch.randn(5, 64)
+    want = F.linear(x, torch.cat([shards[s].dequantize() for s in ("q", "k", "v")]))
+    assert torch.allclose(layer(x), want, atol=1e-4)
+
+
+def test_fused_linear_with_a_dense_shard_runs_dense():
+    torch.manual_seed(0)
+    layer = QKVLinear(64, 16, 4, 2, bias=False)
+    q, k = quantize(torch.randn(64, 64), 8), quantize(torch.randn(32, 64), 8)
+    v = torch.randn(32, 64)
+    layer.weight.weight_loader(layer.weight, q, "q")
+    layer.weight.weight_loader(layer.weight, k, "k")
+    layer.weight.weight_loader(layer.weight, v, "v")
+    layer.pack()
+    assert layer.quantized is None
+    x = torch.randn(3, 64)
+    want = F.linear(x, torch.cat([q.dequantize(), k.dequantize(), v]))
+    assert torch.allclose(layer(x), want, atol=1e-4)
+
+
+def test_linear_refuses_a_quantized_shard_of_the_wrong_shape():
+    layer = Linear(64, 32)
+    with pytest.raises(ValueError, match="does not fit"):
+        layer.weight.weight_loader(layer.weight, quantize(torch.randn(16, 64), 8))
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_online_quantized_linear(method):
+    torch.manual_seed(0)
+    layer = Linear(128, 48, bias=True)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.05)
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    layer.pack(method)
+    assert layer.weight is None and layer.quantized.bits == (8 if method == "int8" else 4)
+    x = torch.randn(4, 128)
+    want = F.linear(x, quantize(w, layer.quantized.bits).dequantize(), b)
+    assert torch.allclose(layer(x), want, atol=1e-4)
+
+
+def test_tied_head_and_embedding_share_one_quantized_table():
+    embed = VocabEmbedding(40, 32)
+    head = LMHead(40, 32, tied_to=embed)
+    t = quantize(torch.randn(40, 32), 8, 32)
+    embed.weight.weight_loader(embed.weight, t)
+    head.pack()
+    embed.pack()
+    assert head.quantized is embed.quantized and embed.weight is None
+    ids = torch.tensor([3, 39])
+    assert torch.equal(embed(ids), t.dequantize()[ids].to(embed.dtype))
+    hidden = torch.randn(2, 32)
+    assert torch.allclose(head(hidden), F.linear(hidden, t.dequantize()), atol=1e-4)

@@ -1,0 +1,425 @@
+/*
+ * Weight-only quantized linears: y = x W^T with W kept packed in 4 or 8 bits and group-wise scales.
+ *
+ * A weight row n, column k dequantizes to q[n,k] * s[n,g] + z[n,g] (g = k / group; z may be absent),
+ * which holds GGUF's Q4_0 / Q4_1 / Q8_0 blocks and GPTQ / AWQ groups exactly up to the rounding of s, z
+ * to fp16 (the precision GGUF stores them in).
+ *
+ * Layout (built by tokenos/layers/quantization.py): rows in blocks of 16, columns in pairs. For block b
+ * and column pair p, the 32 weights w[16b + r, 2p + t] (r < 16, t < 2) sit in one 16-byte (int4) or
+ * 32-byte (int8) cell, ordered so that widening the cell gives two 16-lane vectors
+ *   B = (r0 t0, r0 t1, r1 t0, ..., r7 t1)   and   A = (r8 t0, ..., r15 t1)
+ * with no shuffle: int4 byte i = B[i] | A[i] << 4; int8 bytes 0..15 = B, 16..31 = A. After the scale and
+ * zero, one vcvtne2ps2bf16(A, B) turns the cell into the pair layout vdpbf16ps multiplies against a
+ * broadcast (x[2p], x[2p+1]): dword lane r = row r. Scales and zeros are fp16 [blocks][groups][16].
+ *
+ * qgemm_*: up to 8 activation rows (decode), each cell's integers go straight into the dot product and
+ * each group's scale and zero apply once to its integer sum, so the weights are read once, as packed
+ * bytes, and never rounded. More rows: a chunk of 128 column pairs of a 32-row tile is dequantized once
+ * into an L1 panel of bf16 weights and every row runs over it in tiles of 6, accumulating in fp32; on
+ * an AVX512-BF16 CPU this measures level with oneDNN's bf16 GEMM from M = 64 to 2048. The fp32 build
+ * (AVX2) always takes a panel path, in fp32.
+ * Built where the compiler targets AVX2 + FMA + F16C (fp32) and AVX512-BF16 (bf16);
+ * qlinear_available() says which.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QL_F32 1
+#else
+#define QL_F32 0
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define QL_BF16 1
+#else
+#define QL_BF16 0
+#endif
+
+int qlinear_available(void) { return QL_F32 | (QL_BF16 << 1); }
+
+static inline int64_t cell_bytes(int bits) { return bits == 4 ? 16 : 32; }
+
+#if QL_BF16
+#define KCP 128 /* column pairs per panel chunk: 16 KiB for 32 rows */
+#define MT 6    /* activation rows per panel tile */
+#define MV 8    /* up to this many rows, the panel-free path */
+
+typedef struct {
+    const uint8_t *q;
+    const uint16_t *s, *z;
+    int bits, group;
+    int64_t K, N;
+} qweight;
+
+/* A cell's 32 integers as bf16 pairs (dword lane r = row r). An int4 nibble v becomes the bit pattern
+ * 0x4300 | v, which is exactly 128 + v; an int8 goes through fp32, exactly. */
+static inline __m512i cell_ints(const uint8_t *cell, int bits) {
+    if (bits == 4) {
+        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)cell));
+        __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(v, 4);
+        return _mm512_or_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi16(0x4300));
+    }
+    __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cell)));
+    __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(cell + 16))));
+    return (__m512i)_mm512_cvtne2ps_pbh(a, b);
+}
+
+/* Scale and zero of block blk (clamped to the last), group g, lane r = row r. With q the cell's integer
+ * (128 + v for int4), sum_k w x = s * sum_k q x + (z - 128 s) * sum_k x over the group. */
+static inline void group_scale(const qweight *w, int64_t blk, int64_t g, __m512 *sc, __m512 *zc) {
+    int64_t nblocks = (w->N + 15) / 16, groups = w->K / w->group;
+    blk = blk < nblocks ? blk : nblocks - 1;
+    *sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->s + (blk * groups + g) * 16)));
+    *zc = w->z ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->z + (blk * groups + g) * 16)))
+               : _mm512_setzero_ps();
+    if (w->bits == 4) *zc = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), *sc, *zc);
+}
+
+/* Every row's sum of x over each group: xsum[m * groups + g]. */
+static void group_sums(const qweight *w, const uint16_t *x, int64_t M, int64_t xs, float *xsum) {
+    int64_t groups = w->K / w->group;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            float t = 0;
+            for (int64_t k = g * w->group; k < (g + 1) * w->group; k++) {
+                uint32_t bits = (uint32_t)x[i * xs + k] << 16;
+                float f;
+                memcpy(&f, &bits, 4);
+                t += f;
+            }
+            xsum[i * groups + g] = t;
+        }
+}
+
+static void store_rows(const float *acc, int64_t rows, int64_t n0, int64_t N, void *out, int64_t os,
+                       int out_f32) {
+    int64_t width = N - n0 < 32 ? N - n0 : 32;
+    for (int64_t i = 0; i < rows; i++) {
+        for (int h = 0; h < 2 && h * 16 < width; h++) {
+            int64_t lanes = width - h * 16 < 16 ? width - h * 16 : 16;
+            __mmask16 m = (__mmask16)((1u << lanes) - 1);
+            __m512 v = _mm512_loadu_ps(acc + i * 32 + h * 16);
+            if (out_f32) {
+                _mm512_mask_storeu_ps((float *)out + i * os + n0 + h * 16, m, v);
+            } else {
+                __m256i bf = (__m256i)_mm512_cvtneps_pbh(v);
+                _mm256_mask_storeu_epi16((uint16_t *)out + i * os + n0 + h * 16, m, bf);
+            }
+        }
+    }
+}
+
+/* Up to MV rows over a 32-row tile, straight from the cells: per group, the integer dot products, then
+ * the scale and zero once. Up to 2 rows, even and odd pairs go to separate chains, for the dot
+ * product's latency. */
+static inline __attribute__((always_inline)) void gemv_tile(int mt, const qweight *w, int64_t blk0,
+                                                            const uint16_t *x, int64_t xs, const float *xsum,
+                                                            float *acc) {
+    int64_t groups = w->K / w->group, gp = w->group / 2, cb = cell_bytes(w->bits);
+    int64_t nblocks = (w->N + 15) / 16;
+    int two = blk0 + 1 < nblocks, split = mt <= 2;
+    const uint8_t *c0 = w->q + blk0 * (w->K / 2) * cb, *c1 = c0 + (w->K / 2) * cb;
+    for (int i = 0; i < mt * 32; i++) acc[i] = 0.0f;
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 d[MV][2], e[2][2];
+        for (int i = 0; i < mt; i++) d[i][0] = d[i][1] = _mm512_setzero_ps();
+        for (int i = 0; i < 2; i++) e[i][0] = e[i][1] = _mm512_setzero_ps();
+        int64_t p = g * gp, end = p + gp;
+        for (; split && p + 1 < end; p += 2) {
+            __m512bh w0 = (__m512bh)cell_ints(c0 + p * cb, w->bits);
+            __m512bh v0 = (__m512bh)cell_ints(c0 + (p + 1) * cb, w->bits);
+            __m512bh w1 = two ? (__m512bh)cell_ints(c1 + p * cb, w->bits) : w0;
+            __m512bh v1 = two ? (__m512bh)cell_ints(c1 + (p + 1) * cb, w->bits) : v0;
+            for (int i = 0; i < mt; i++) {
+                int32_t pr[2];
+                memcpy(pr, x + i * xs + 2 * p, 8);
+                __m512bh xe = (__m512bh)_mm512_set1_epi32(pr[0]), xo = (__m512bh)_mm512_set1_epi32(pr[1]);
+                d[i][0] = _mm512_dpbf16_ps(d[i][0], w0, xe);
+                d[i][1] = _mm512_dpbf16_ps(d[i][1], w1, xe);
+                e[i][0] = _mm512_dpbf16_ps(e[i][0], v0, xo);
+                e[i][1] = _mm512_dpbf16_ps(e[i][1], v1, xo);
+            }
+        }
+        for (; p < end; p++) {
+            __m512bh w0 = (__m512bh)cell_ints(c0 + p * cb, w->bits);
+            __m512bh w1 = two ? (__m512bh)cell_ints(c1 + p * cb, w->bits) : w0;
+            for (int i = 0; i < mt; i++) {
+                int32_t pr;
+                memcpy(&pr, x + i * xs + 2 * p, 4);
+                __m512bh xb = (__m512bh)_mm512_set1_epi32(pr);
+                d[i][0] = _mm512_dpbf16_ps(d[i][0], w0, xb);
+                d[i][1] = _mm512_dpbf16_ps(d[i][1], w1, xb);
+            }
+        }
+        for (int h = 0; h < 2; h++) {
+            __m512 sc, zc;
+            group_scale(w, blk0 + h, g, &sc, &zc);
+            for (int i = 0; i < mt; i++) {
+                __m512 dot = split ? _mm512_add_ps(d[i][h], e[i < 2 ? i : 0][h]) : d[i][h];
+                __m512 a = _mm512_loadu_ps(acc + i * 32 + h * 16);
+                a = _mm512_fmadd_ps(sc, dot, a);
+                a = _mm512_fmadd_ps(zc, _mm512_set1_ps(xsum[i * groups + g]), a);
+                _mm512_storeu_ps(acc + i * 32 + h * 16, a);
+            }
+        }
+    }
+}
+
+static void qgemv_bf16(const qweight *w, const uint16_t *x, int64_t M, int64_t xs, void *out, int64_t os,
+                       int out_f32) {
+    int64_t groups = w->K / w->group, ntiles = (w->N + 31) / 32;
+    float xsum[MV * groups];
+    group_sums(w, x, M, xs, xsum);
+    _Pragma("omp parallel for schedule(static)") for (int64_t t = 0; t < ntiles; t++) {
+        float acc[MV * 32] __attribute__((aligned(64)));
+        switch (M) {
+        case 8: gemv_tile(8, w, 2 * t, x, xs, xsum, acc); break;
+        case 7: gemv_tile(7, w, 2 * t, x, xs, xsum, acc); break;
+        case 6: gemv_tile(6, w, 2 * t, x, xs, xsum, acc); break;
+        case 5: gemv_tile(5, w, 2 * t, x, xs, xsum, acc); break;
+        case 4: gemv_tile(4, w, 2 * t, x, xs, xsum, acc); break;
+        case 3: gemv_tile(3, w, 2 * t, x, xs, xsum, acc); break;
+        case 2: gemv_tile(2, w, 2 * t, x, xs, xsum, acc); break;
+        default: gemv_tile(1, w, 2 * t, x, xs, xsum, acc); break;
+        }
+        store_rows(acc, M, 32 * t, w->N, out, os, out_f32);
+    }
+}
+
+/* The panel path (more than MV rows) multiplies dequantized weights, rounded once to bf16: the scale
+ * and zero cost nothing in the inner loop, which is what keeps it level with oneDNN's bf16 GEMM at
+ * prefill sizes. The few-row path above does not round them, so a token's logits can differ in the
+ * last bits between a step of up to MV rows and a larger one, as with any GEMM that picks its kernel by
+ * shape. */
+
+/* A cell as two fp32 vectors in the B (rows 0-7) and A (rows 8-15) lane orders. */
+static inline void cell_floats(const uint8_t *cell, int bits, __m512 *b, __m512 *a) {
+    if (bits == 4) {
+        __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)cell));
+        *b = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(15)));
+        *a = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
+    } else {
+        *b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cell)));
+        *a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(cell + 16))));
+    }
+}
+
+/* 16 fp16 values of one block and group, spread to the B and A lane orders. */
+static inline void spread(const uint16_t *v, __m512 *vb, __m512 *va) {
+    const __m512i ib = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i ia = _mm512_set_epi32(15, 15, 14, 14, 13, 13, 12, 12, 11, 11, 10, 10, 9, 9, 8, 8);
+    __m512 f = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)v));
+    *vb = _mm512_permutexvar_ps(ib, f);
+    *va = _mm512_permutexvar_ps(ia, f);
+}
+
+/* Column pairs [p0, p1) of block blk as dequantized bf16 pairs, at dst[(p - p0) * step] (zeros past
+ * the last block). */
+static void deq_block(const qweight *w, int64_t blk, int64_t p0, int64_t p1, __m512i *dst, int step) {
+    if (blk >= (w->N + 15) / 16) {
+        for (int64_t p = p0; p < p1; p++) dst[(p - p0) * step] = _mm512_setzero_si512();
+        return;
+    }
+    int64_t groups = w->K / w->group, gp = w->group / 2, cb = cell_bytes(w->bits);
+    const uint8_t *cells = w->q + blk * (w->K / 2) * cb;
+    __m512 sb, sa, zb = _mm512_setzero_ps(), za = zb;
+    for (int64_t p = p0; p < p1;) {
+        int64_t g = p / gp, end = (g + 1) * gp < p1 ? (g + 1) * gp : p1;
+        spread(w->s + (blk * groups + g) * 16, &sb, &sa);
+        if (w->z) spread(w->z + (blk * groups + g) * 16, &zb, &za);
+        for (; p < end; p++) {
+            __m512 b, a;
+            cell_floats(cells + p * cb, w->bits, &b, &a);
+            dst[(p - p0) * step] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(a, sa, za), _mm512_fmadd_ps(b, sb, zb));
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_bf16(int mt, const __m512i *panel, int64_t np,
+                                                            const uint16_t *x, int64_t xs, int64_t p0,
+                                                            float *acc_io, int first) {
+    __m512 acc[MT][2];
+    for (int i = 0; i < mt; i++) {
+        acc[i][0] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_io + i * 32);
+        acc[i][1] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_io + i * 32 + 16);
+    }
+    for (int64_t p = 0; p < np; p++) {
+        __m512bh w0 = (__m512bh)panel[2 * p], w1 = (__m512bh)panel[2 * p + 1];
+        for (int i = 0; i < mt; i++) {
+            int32_t pair;
+            memcpy(&pair, x + i * xs + 2 * (p0 + p), 4);
+            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xb);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xb);
+        }
+    }
+    for (int i = 0; i < mt; i++) {
+        _mm512_storeu_ps(acc_io + i * 32, acc[i][0]);
+        _mm512_storeu_ps(acc_io + i * 32 + 16, acc[i][1]);
+    }
+}
+
+void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s,
+                const uint16_t *z, int bits, int group, int64_t N, int64_t K, void *out, int64_t os,
+                int out_f32) {
+    qweight w = {q, s, z, bits, group, K, N};
+    if (M <= MV) {
+        qgemv_bf16(&w, x, M, xs, out, os, out_f32);
+        return;
+    }
+    int64_t ntiles = (N + 31) / 32, pairs = K / 2;
+    _Pragma("omp parallel") {
+        __m512i panel[KCP * 2] __attribute__((aligned(64)));
+        float *acc = aligned_alloc(64, ((M * 32 * sizeof(float) + 63) / 64) * 64);
+        _Pragma("omp for schedule(static)") for (int64_t t = 0; t < ntiles; t++) {
+            for (int64_t p0 = 0; p0 < pairs; p0 += KCP) {
+                int64_t p1 = p0 + KCP < pairs ? p0 + KCP : pairs;
+                deq_block(&w, 2 * t, p0, p1, panel, 2);
+                deq_block(&w, 2 * t + 1, p0, p1, panel + 1, 2);
+                for (int64_t m0 = 0; m0 < M; m0 += MT) {
+                    int64_t mt = M - m0 < MT ? M - m0 : MT;
+                    const uint16_t *xr = x + m0 * xs;
+                    float *ar = acc + m0 * 32;
+                    int first = p0 == 0;
+                    switch (mt) {
+                    case 6: tile_bf16(6, panel, p1 - p0, xr, xs, p0, ar, first); break;
+                    case 5: tile_bf16(5, panel, p1 - p0, xr, xs, p0, ar, first); break;
+                    case 4: tile_bf16(4, panel, p1 - p0, xr, xs, p0, ar, first); break;
+                    case 3: tile_bf16(3, panel, p1 - p0, xr, xs, p0, ar, first); break;
+                    case 2: tile_bf16(2, panel, p1 - p0, xr, xs, p0, ar, first); break;
+                    default: tile_bf16(1, panel, p1 - p0, xr, xs, p0, ar, first); break;
+                    }
+                }
+            }
+            store_rows(acc, M, 32 * t, N, out, os, out_f32);
+        }
+        free(acc);
+    }
+}
+#else
+void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s,
+                const uint16_t *z, int bits, int group, int64_t N, int64_t K, void *out, int64_t os,
+                int out_f32) {
+    abort(); /* the caller checks qlinear_available() first */
+}
+#endif
+
+#if QL_F32
+#define KCP32 64
+#define MT32 2
+
+/* One cell as four 8-lane fp32 vectors: rows 0-3, 4-7 (B halves), 8-11, 12-15 (A halves). */
+static inline void cell256(const uint8_t *cell, int bits, __m256 v[4]) {
+    if (bits == 4) {
+        __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)cell));
+        __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cell + 8)));
+        __m256i f = _mm256_set1_epi32(15);
+        v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, f));
+        v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, f));
+        v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
+        v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
+    } else {
+        for (int j = 0; j < 4; j++)
+            v[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cell + 8 * j))));
+    }
+}
+
+static inline void group256(const uint16_t *v, __m256 out[4]) {
+    const __m256i idx = _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0);
+    for (int j = 0; j < 4; j++) {
+        /* rows 4j'..: quarter j of the block is rows 4j..4j+3 in B/A order 0-3, 4-7, 8-11, 12-15 */
+        __m128 quarter = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(v + 4 * j)));
+        out[j] = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(quarter), idx);
+    }
+}
+
+typedef struct {
+    const uint8_t *q;
+    const uint16_t *s, *z;
+    int bits, group;
+    int64_t K, N;
+} qweight32;
+
+static void deq_block_f32(const qweight32 *w, int64_t blk, int64_t p0, int64_t p1, __m256 *dst) {
+    int64_t groups = w->K / w->group, cb = cell_bytes(w->bits);
+    const uint8_t *cells = w->q + blk * (w->K / 2) * cb;
+    __m256 sc[4], zc[4];
+    for (int j = 0; j < 4; j++) sc[j] = zc[j] = _mm256_setzero_ps();
+    int64_t gp = w->group / 2;
+    for (int64_t p = p0; p < p1;) {
+        int64_t g = p / gp, end = (g + 1) * gp < p1 ? (g + 1) * gp : p1;
+        group256(w->s + (blk * groups + g) * 16, sc);
+        if (w->z) group256(w->z + (blk * groups + g) * 16, zc);
+        for (; p < end; p++) {
+            __m256 v[4];
+            cell256(cells + p * cb, w->bits, v);
+            for (int j = 0; j < 4; j++) dst[(p - p0) * 4 + j] = _mm256_fmadd_ps(v[j], sc[j], zc[j]);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_f32(int mt, const __m256 *panel, int64_t np,
+                                                           const float *x, int64_t xs, int64_t p0,
+                                                           float *acc_io, int first) {
+    __m256 acc[MT32][4];
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_io + i * 32 + 8 * j);
+    for (int64_t p = 0; p < np; p++) {
+        for (int i = 0; i < mt; i++) {
+            __m256 xp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(x + i * xs + 2 * (p0 + p))));
+            for (int j = 0; j < 4; j++) acc[i][j] = _mm256_fmadd_ps(panel[4 * p + j], xp, acc[i][j]);
+        }
+    }
+    for (int i = 0; i < mt; i++)
+        for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc_io + i * 32 + 8 * j, acc[i][j]);
+}
+
+/* Pair sums of a tile row's 32 accumulators -> the 16 row outputs. */
+static inline void finish_row(const float *acc, float *dst16) {
+    __m256 lo = _mm256_hadd_ps(_mm256_loadu_ps(acc), _mm256_loadu_ps(acc + 8));
+    __m256 hi = _mm256_hadd_ps(_mm256_loadu_ps(acc + 16), _mm256_loadu_ps(acc + 24));
+    _mm256_storeu_ps(dst16, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(lo), 0xD8)));
+    _mm256_storeu_ps(dst16 + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(hi), 0xD8)));
+}
+
+void qgemm_f32(const float *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s, const uint16_t *z,
+               int bits, int group, int64_t N, int64_t K, float *out, int64_t os) {
+    qweight32 w = {q, s, z, bits, group, K, N};
+    int64_t nblocks = (N + 15) / 16, pairs = K / 2;
+    _Pragma("omp parallel") {
+        __m256 panel[KCP32 * 4] __attribute__((aligned(64)));
+        float *acc = aligned_alloc(64, ((M * 32 * sizeof(float) + 63) / 64) * 64);
+        _Pragma("omp for schedule(static)") for (int64_t blk = 0; blk < nblocks; blk++) {
+            for (int64_t p0 = 0; p0 < pairs; p0 += KCP32) {
+                int64_t p1 = p0 + KCP32 < pairs ? p0 + KCP32 : pairs;
+                deq_block_f32(&w, blk, p0, p1, panel);
+                for (int64_t m0 = 0; m0 < M; m0 += MT32) {
+                    if (M - m0 >= 2)
+                        tile_f32(2, panel, p1 - p0, x + m0 * xs, xs, p0, acc + m0 * 32, p0 == 0);
+                    else
+                        tile_f32(1, panel, p1 - p0, x + m0 * xs, xs, p0, acc + m0 * 32, p0 == 0);
+                }
+            }
+            int64_t rows = N - 16 * blk < 16 ? N - 16 * blk : 16;
+            for (int64_t i = 0; i < M; i++) {
+                float row[16];
+                finish_row(acc + i * 32, row);
+                memcpy(out + i * os + 16 * blk, row, rows * sizeof(float));
+            }
+        }
+        free(acc);
+    }
+}
+
+#else
+void qgemm_f32(const float *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s, const uint16_t *z,
+               int bits, int group, int64_t N, int64_t K, float *out, int64_t os) {
+    abort();
+}
+#endif

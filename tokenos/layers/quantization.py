@@ -1,0 +1,254 @@
+"""Weight-only quantized linears: weights stay packed in 4 or 8 bits with group-wise fp16 scales.
+
+`QuantizedTensor` is a checkpoint weight in quantized form, ``w[n, k] = q[n, k] * s[n, g] + z[n, g]``
+with ``g = k // group``: the one form every source maps into without loss (GGUF Q4_0 / Q4_1 / Q8_0
+blocks, GPTQ / AWQ groups, our own online quantization), up to the rounding of s and z to fp16.
+
+`QuantizedWeight` is that tensor packed once for `csrc/qlinear.c` (the layout is described there) and
+called like a linear. Decode steps read 4.5-8.5 bits per weight instead of 16 (2-3.6x faster than
+oneDNN's bf16 GEMM at M = 1 on this project's AVX512-BF16 machine); at prefill sizes the kernel is
+level with it. Without the kernel (no compiler, ``TOKENOS_DISABLE_C_KERNELS=1``, a CPU without AVX2, an
+odd K or group) the same packed bytes are dequantized with torch ops per call: the reference the
+kernel is tested against, slow but exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenos.layers import cpu_kernels
+from tokenos.platform import native_bf16_supported
+
+# Weight-only methods that quantize a dense checkpoint at load (vLLM's --quantization names).
+ONLINE_METHODS = ("int8", "int4")
+
+
+@dataclass
+class QuantizedTensor:
+    """``w[n, k] = q[n, k] * scales[n, k // group] + zeros[n, k // group]`` (zeros None: 0)."""
+
+    q: torch.Tensor  # [N, K]: uint8 in 0..15 (bits 4) or int8 (bits 8)
+    scales: torch.Tensor  # [N, K // group]
+    zeros: torch.Tensor | None
+    bits: int
+    group: int
+
+    def __post_init__(self) -> None:
+        n, k = self.q.shape
+        if self.bits not in (4, 8):
+            raise ValueError(f"quantized weights have 4 or 8 bits, not {self.bits}")
+        if k % self.group:
+            raise ValueError(f"group size {self.group} does not divide the {k} input columns")
+        expected = (n, k // self.group)
+        for name, t in (("scales", self.scales), ("zeros", self.zeros)):
+            if t is not None and tuple(t.shape) != expected:
+                raise ValueError(f"{name} of shape {tuple(t.shape)}; expected {expected}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [N, K] weight."""
+        return _dequantize(self.q, self.scales, self.zeros, self.group)
+
+    def map_rows(self, fn) -> QuantizedTensor:
+        """The tensor with a row-only transform (a permutation, a slice) applied to q, scales and zeros."""
+        zeros = None if self.zeros is None else fn(self.zeros)
+        return QuantizedTensor(fn(self.q), fn(self.scales), zeros, self.bits, self.group)
+
+    def scaled(self, factor: float | torch.Tensor) -> QuantizedTensor:
+        """``factor * w`` (``factor`` a number or one value per row): scales and zeros scale with it."""
+        f = torch.as_tensor(factor, dtype=torch.float32)
+        f = f.reshape(-1, 1) if f.dim() else f
+        zeros = None if self.zeros is None else self.zeros.float() * f
+        return QuantizedTensor(self.q, self.scales.float() * f, zeros, self.bits, self.group)
+
+    @staticmethod
+    def cat(parts: list[QuantizedTensor]) -> QuantizedTensor:
+        """Stack along rows (fused q/k/v, gate/up); every part must share bits and group size."""
+        first = parts[0]
+        if any(p.bits != first.bits or p.group != first.group for p in parts):
+            raise ValueError("fused shards are quantized differently (bits or group size)")
+        if any((p.zeros is None) != (first.zeros is None) for p in parts):
+            parts = [p if p.zeros is not None else _with_zeros(p) for p in parts]
+        zeros = None if parts[0].zeros is None else torch.cat([p.zeros.float() for p in parts])
+        q = torch.cat([p.q for p in parts])
+        return QuantizedTensor(
+            q, torch.cat([p.scales.float() for p in parts]), zeros, first.bits, first.group
+        )
+
+
+def _with_zeros(t: QuantizedTensor) -> QuantizedTensor:
+    return QuantizedTensor(t.q, t.scales, torch.zeros_like(t.scales), t.bits, t.group)
+
+
+def _dequantize(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int
+) -> torch.Tensor:
+    s = scales.float().repeat_interleave(group, dim=-1)
+    w = q.float() * s
+    return w if zeros is None else w + zeros.float().repeat_interleave(group, dim=-1)
+
+
+def quantize(weight: torch.Tensor, bits: int, group: int | None = None) -> QuantizedTensor:
+    """Online weight-only quantization of a dense [N, K] weight: int8 symmetric (zeros None), int4
+    asymmetric (min/max, as GGUF's Q4_1), per group of ``group`` input columns (default: 128 for int8,
+    32 for int4, or the whole row where that does not divide K)."""
+    n, k = weight.shape
+    group = group or _default_group(k, 128 if bits == 8 else 32)
+    w = weight.detach().float().reshape(n, k // group, group)
+    if bits == 8:
+        scales = (w.abs().amax(-1) / 127).half().float()
+        q = torch.round(w / _nonzero(scales)[..., None]).clamp_(-127, 127).to(torch.int8)
+        return QuantizedTensor(q.reshape(n, k), scales.half(), None, 8, group)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scales = ((hi - lo) / 15).half().float()
+    zeros = lo.half().float()
+    q = torch.round((w - zeros[..., None]) / _nonzero(scales)[..., None]).clamp_(0, 15).to(torch.uint8)
+    return QuantizedTensor(q.reshape(n, k), scales.half(), zeros.half(), 4, group)
+
+
+def _default_group(k: int, preferred: int) -> int:
+    return next((g for g in (preferred, 64, 32) if g <= preferred and k % g == 0), k)
+
+
+def _nonzero(scales: torch.Tensor) -> torch.Tensor:
+    return torch.where(scales == 0, torch.ones_like(scales), scales)
+
+
+class QuantizedWeight:
+    """A `QuantizedTensor` packed for the kernel; ``qw(x, bias)`` -> ``x W^T + b`` in x's dtype."""
+
+    def __init__(self, t: QuantizedTensor) -> None:
+        self.bits, self.group = t.bits, t.group
+        self.shape = t.shape
+        n, k = t.shape
+        padded = -n % 16
+        q = F.pad(t.q, (0, 0, 0, padded))
+        scales = F.pad(t.scales.half(), (0, 0, 0, padded))
+        self.cells = _pack_cells(q, t.bits)
+        self.scales = _pack_groups(scales)
+        self.zeros = None if t.zeros is None else _pack_groups(F.pad(t.zeros.half(), (0, 0, 0, padded)))
+        self._args = self._weight_args()
+        self._gemms = self._kernels()
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.cells, self.scales, self.zeros)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def unpack(self) -> QuantizedTensor:
+        """The logical tensor back (the inverse of packing; the reference for the kernel's layout)."""
+        n, k = self.shape
+        q = _unpack_cells(self.cells, self.bits)[:n, :k]
+        zeros = None if self.zeros is None else _unpack_groups(self.zeros)[:n]
+        return QuantizedTensor(q, _unpack_groups(self.scales)[:n], zeros, self.bits, self.group)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense [N, K] weight in ``dtype``."""
+        return self.unpack().dequantize().to(dtype)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows ``ids`` (an embedding lookup), [*ids.shape, K]."""
+        flat = ids.reshape(-1).long()
+        blk, lane = flat // 16, flat % 16
+        half, r = lane // 8, lane % 8
+        nb, pairs, _ = self.cells.shape
+        if self.bits == 4:
+            cells = self.cells.view(nb, pairs, 8, 2)[blk, :, r, :]
+            q = (cells >> (4 * half).to(torch.uint8)[:, None, None]) & 15
+        else:
+            q = self.cells.view(nb, pairs, 2, 8, 2)[blk, :, half, r, :]
+        zeros = None if self.zeros is None else self.zeros[blk, :, lane]
+        q = q.reshape(len(flat), -1)[:, : self.shape[1]]
+        w = _dequantize(q, self.scales[blk, :, lane], zeros, self.group)
+        return w.to(dtype).reshape(*ids.shape, -1)
+
+    def __call__(
+        self, x: torch.Tensor, bias: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        out_dtype = out_dtype or x.dtype
+        n, k = self.shape
+        gemm = self._gemms.get(x.dtype)
+        if gemm is None and x.dtype == torch.bfloat16 and torch.float32 in self._gemms:
+            # bf16 activations without the bf16 kernel (AVX2): the fp32 one, as linear._upcast_linear.
+            return self(x.float(), None if bias is None else bias.float(), out_dtype)
+        x2 = x.reshape(-1, k)
+        m = x2.shape[0]
+        if gemm is None or m == 0 or x2.stride(-1) != 1:
+            return self._reference(x2, bias, out_dtype).reshape(*x.shape[:-1], n)
+        # Called per layer per step: kept to one allocation and the kernel call.
+        if x.dtype == torch.bfloat16:
+            f32 = out_dtype == torch.float32
+            out = torch.empty((m, n), dtype=torch.float32 if f32 else torch.bfloat16)
+            gemm(x2.data_ptr(), m, x2.stride(0), *self._args, out.data_ptr(), n, int(f32))
+        else:
+            out = torch.empty((m, n), dtype=torch.float32)
+            gemm(x2.data_ptr(), m, x2.stride(0), *self._args, out.data_ptr(), n)
+        if out.dtype != out_dtype:
+            out = out.to(out_dtype)
+        if bias is not None:
+            out += bias
+        return out.reshape(*x.shape[:-1], n)
+
+    def _reference(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """Dequantize and F.linear: the torch path (and, for bf16 on a CPU without native bf16, its
+        upcast, as linear._upcast_linear)."""
+        compute = x.dtype
+        if compute == torch.bfloat16 and not native_bf16_supported():
+            compute = torch.float32
+        weight = self.dequantize(compute)
+        out = F.linear(x.to(compute), weight, None if bias is None else bias.to(compute))
+        return out.to(out_dtype)
+
+    def _kernels(self) -> dict[torch.dtype, object]:
+        """Activation dtype -> csrc/qlinear.c's kernel for it, where the CPU and this shape allow."""
+        # The kernel reads column pairs, so a pair must not straddle two groups.
+        if self.shape[1] % 2 or self.group % 2:
+            return {}
+        dtypes = [torch.float32] + ([torch.bfloat16] if native_bf16_supported() else [])
+        found = {dtype: cpu_kernels.qgemm_kernel(dtype) for dtype in dtypes}
+        return {dtype: fn for dtype, fn in found.items() if fn is not None}
+
+    def _weight_args(self) -> tuple:
+        zeros = None if self.zeros is None else self.zeros.data_ptr()
+        n, k = self.shape
+        return (self.cells.data_ptr(), self.scales.data_ptr(), zeros, self.bits, self.group, n, k)
+
+
+def _pack_cells(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """[N (multiple of 16), K] values -> the kernel's cells [N / 16, K / 2, 16 or 32] (see qlinear.c)."""
+    n, k = q.shape
+    if k % 2:
+        q = F.pad(q, (0, 1))  # an odd K runs on the torch path; the pad is never read as a weight
+        k += 1
+    v = q.reshape(n // 16, 2, 8, k // 2, 2)
+    if bits == 4:
+        b, a = (v[:, h].permute(0, 2, 1, 3).reshape(n // 16, k // 2, 16) for h in (0, 1))
+        return (b.to(torch.uint8) | (a.to(torch.uint8) << 4)).contiguous()
+    return v.to(torch.int8).permute(0, 3, 1, 2, 4).reshape(n // 16, k // 2, 32).contiguous()
+
+
+def _unpack_cells(cells: torch.Tensor, bits: int) -> torch.Tensor:
+    nb, pairs, _ = cells.shape
+    if bits == 4:
+        halves = [cells & 15, cells >> 4]
+        v = torch.stack([h.reshape(nb, pairs, 8, 2) for h in halves], dim=1).permute(0, 1, 3, 2, 4)
+    else:
+        v = cells.reshape(nb, pairs, 2, 8, 2).permute(0, 2, 3, 1, 4)
+    return v.reshape(nb * 16, pairs * 2)
+
+
+def _pack_groups(v: torch.Tensor) -> torch.Tensor:
+    """[N (multiple of 16), groups] fp16 -> [N / 16, groups, 16]."""
+    n, g = v.shape
+    return v.reshape(n // 16, 16, g).permute(0, 2, 1).contiguous()
+
+
+def _unpack_groups(v: torch.Tensor) -> torch.Tensor:
+    nb, g, _ = v.shape
+    return v.permute(0, 2, 1).reshape(nb * 16, g)
