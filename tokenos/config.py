@@ -12,7 +12,7 @@ from dataclasses import dataclass
 SCHEDULING_POLICIES = ("fcfs", "priority")
 HASH_ALGOS = ("sha256", "xxhash", "blake2b")
 # Weight quantization (--quantization): see tokenos.models.config.resolve_quantization.
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4", "gptq", "awq")
 MAMBA_CACHE_MODES = ("align", "none", "all")
 
 

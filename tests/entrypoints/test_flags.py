@@ -77,7 +77,7 @@ def test_vllm_spellings_and_flags(caplog):
             parse_serve_args(refused)
     assert parse_serve_args(["-q", "int4"]).quantization == "int4"
     with pytest.raises(SystemExit):
-        parse_serve_args(["--quantization", "awq"])  # not built: argparse names the choices
+        parse_serve_args(["--quantization", "fp8"])  # not built: argparse names the choices
     with pytest.raises(SystemExit):
         parse_serve_args(["--ssl-keyfile", "k.pem"])
 

@@ -128,8 +128,9 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag(
         ("--quantization", "-q"),
         "quantization",
-        "weights: auto (a GGUF's Q8_0/Q4_0/Q4_1 blocks stay quantized), none (all dense), int8 or int4"
-        " (weight-only, quantized at load)",
+        "weights: auto (a GGUF's Q8_0/Q4_0/Q4_1 blocks, a GPTQ or AWQ int4 checkpoint's groups stay"
+        " quantized), none (all dense), int8 or int4 (weight-only, quantized at load), gptq or awq (the"
+        " checkpoint's own, named)",
         choices=QUANTIZATION_CHOICES,
     ),
     Flag(

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenos.layers.linear import PackedWeight, packing_enabled
-from tokenos.layers.quantization import QuantizedTensor, QuantizedWeight
+from tokenos.layers.quantization import ONLINE_METHODS, QuantizedTensor, QuantizedWeight, quantize
 from tokenos.layers.weights import default_weight_loader
 from tokenos.platform import native_bf16_supported
 
@@ -40,7 +40,12 @@ class _QuantizableTable(nn.Module):
         else:
             self._pending = loaded
 
-    def _pack_quantized(self) -> bool:
+    def _pack_quantized(self, quantization: str | None = None) -> bool:
+        """Run from the quantized checkpoint table, or (online int8 / int4) quantize the dense one to
+        int8: the table is the largest single weight (the LM head's bytes are half of a decode step's
+        at int4), and int8 keeps its logits close."""
+        if self._pending is None and quantization in ONLINE_METHODS and self.weight is not None:
+            self._pending = quantize(self.weight.detach(), 8)
         if self._pending is not None:
             self.quantized = QuantizedWeight(self._pending)
             self._pending = None
@@ -55,7 +60,7 @@ class VocabEmbedding(_QuantizableTable):
         return F.embedding(input_ids, self.weight)
 
     def pack(self, quantization: str | None = None) -> None:
-        self._pack_quantized()
+        self._pack_quantized(quantization)
 
 
 class LMHead(_QuantizableTable):
@@ -77,11 +82,11 @@ class LMHead(_QuantizableTable):
         quantized, else from a oneDNN-packed copy (see `tokenos.layers.linear`); a tied head keeps the
         embedding's plain weight for the lookup, an untied one drops its own."""
         if self.tied:
-            self.tied_to.pack()
+            self.tied_to.pack(quantization)
             self.quantized = self.tied_to.quantized
             if self.quantized is not None:
                 self.weight = None
-        elif self._pack_quantized():
+        elif self._pack_quantized(quantization):
             return
         if self.quantized is None and self.packed is None and packing_enabled():
             self.packed = PackedWeight(self.weight.detach())

@@ -252,3 +252,25 @@ def _pack_groups(v: torch.Tensor) -> torch.Tensor:
 def _unpack_groups(v: torch.Tensor) -> torch.Tensor:
     nb, g, _ = v.shape
     return v.permute(0, 2, 1).reshape(nb * 16, g)
+
+
+def weight_bytes(model: torch.nn.Module) -> tuple[int, int, dict[str, int]]:
+    """(total bytes of the weights as held, bytes of the quantized ones, quantized tensors by kind
+    ("int4", "int8")): what the start-up log reports. Shared tensors (a tied head) count once."""
+    seen: set[int] = set()
+    total = quantized = 0
+    kinds: dict[str, int] = {}
+    for module in model.modules():
+        held = [getattr(module, "quantized", None), getattr(getattr(module, "packed", None), "weight", None)]
+        held += list(module.parameters(recurse=False))
+        for t in held:
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            if isinstance(t, QuantizedWeight):
+                quantized += t.nbytes
+                kinds[f"int{t.bits}"] = kinds.get(f"int{t.bits}", 0) + 1
+                total += t.nbytes
+            else:
+                total += t.numel() * t.element_size()
+    return total, quantized, kinds

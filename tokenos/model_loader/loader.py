@@ -45,7 +45,12 @@ def iter_checkpoint_weights(config: CheckpointConfig) -> Iterator[tuple[str, tor
         )
     from tokenos.model_loader.safetensors_loader import iter_safetensors_weights
 
-    return iter_safetensors_weights(config.model_path)
+    stream = iter_safetensors_weights(config.model_path)
+    if config.quantization in ("gptq", "awq"):
+        from tokenos.model_loader.gptq_awq import iter_prequantized_weights, read_quantization_config
+
+        return iter_prequantized_weights(stream, read_quantization_config(config.model_path))
+    return stream
 
 
 def load_weights(model: nn.Module, config: CheckpointConfig, weights: Iterable | None = None) -> None:

@@ -18,6 +18,7 @@ import torch
 from tokenos.config import QUANTIZATION_CHOICES
 from tokenos.model_loader.embedded import default_model_path
 from tokenos.model_loader.gguf_loader import read_gguf_config
+from tokenos.model_loader.gptq_awq import PREQUANTIZED_METHODS, parse_quantization_config
 from tokenos.models.registry import get_architecture
 from tokenos.platform import dtype_name, native_bf16_supported, torch_dtype
 
@@ -50,7 +51,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     gguf_file: str | None = None  # set for GGUF checkpoints: the file name inside model_dir
     # Weight quantization (`resolve_quantization`): "gguf" (GGUF blocks kept), "int8" / "int4" (online),
-    # or None (dense weights).
+    # "gptq" / "awq" (a pre-quantized HF checkpoint's int4 groups kept), or None (dense weights).
     quantization: str | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
@@ -89,23 +90,42 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def resolve_quantization(requested: str | None, gguf: bool, hf_config: dict[str, Any]) -> str | None:
     """The weight quantization to load with. ``None`` / "auto": the checkpoint's own (a GGUF's blocks
-    stay quantized); "none": every weight dense (GGUF blocks dequantized); "int8" / "int4": weight-only
-    quantization of the dense weights at load; "gguf": a GGUF file's blocks, kept."""
+    stay quantized, a GPTQ / AWQ checkpoint loads as such); "none": every weight dense (GGUF blocks
+    dequantized); "int8" / "int4": weight-only quantization of the dense weights at load; "gguf": a GGUF
+    file's blocks, kept; "gptq" / "awq": the checkpoint's method, named explicitly."""
     requested = "auto" if requested is None else str(requested).lower()
     if requested not in QUANTIZATION_CHOICES:
         raise ValueError(
             f"quantization={requested!r} is not supported; choose one of {', '.join(QUANTIZATION_CHOICES)}"
         )
-    method = (hf_config.get("quantization_config") or {}).get("quant_method")
-    if method is not None and requested != "auto":
-        raise ValueError(f"the checkpoint is already quantized ({method}); leave quantization unset")
-    if method is not None:
-        raise ValueError(f"checkpoints quantized with {method!r} are not supported yet")
+    quantization_config = hf_config.get("quantization_config") or {}
+    if quantization_config.get("quant_method") is not None:
+        return _prequantized(requested, quantization_config)
+    if requested in PREQUANTIZED_METHODS:
+        raise ValueError(f"quantization={requested!r} needs a checkpoint quantized with {requested}")
     if requested == "gguf" and not gguf:
         raise ValueError("quantization='gguf' needs a .gguf checkpoint")
     if requested == "auto":
         return "gguf" if gguf else None
     return None if requested == "none" else requested
+
+
+def _prequantized(requested: str, quantization_config: dict[str, Any]) -> str:
+    """A checkpoint quantized ahead (its config's ``quantization_config``): its method, if we load it
+    and the request (if any) names the same one."""
+    method = str(quantization_config["quant_method"]).lower()
+    if method not in PREQUANTIZED_METHODS:
+        raise ValueError(
+            f"checkpoints quantized with {method!r} are not supported; "
+            f"supported: {', '.join(PREQUANTIZED_METHODS)}"
+        )
+    if requested not in ("auto", method):
+        raise ValueError(
+            f"the checkpoint is quantized with {method}; quantization={requested!r} does not match "
+            f"(leave it unset or pass {method!r})"
+        )
+    parse_quantization_config(quantization_config)  # an unsupported variant fails here, by name
+    return method
 
 
 def load_model_config(

@@ -28,6 +28,7 @@ from tokenos.layers import cpu_kernels
 from tokenos.layers.attention import Attention
 from tokenos.layers.attention_metadata import AttentionMetadata, make_attention_metadata
 from tokenos.layers.metadata import ForwardBatch
+from tokenos.layers.quantization import weight_bytes
 from tokenos.layers.recurrent_batch import RecurrentBatch
 from tokenos.models import build_model
 from tokenos.models.config import ModelConfig
@@ -85,15 +86,35 @@ class ModelRunner:
 
     def describe_kernels(self) -> str:
         """What runs here, for the start-up log: dtype, CPU, threads, and which fast paths are on."""
-        packed = any(getattr(m, "packed", None) is not None for m in self.model.modules())
         c_kernel = cpu_kernels.load() is not None
         return (
             f"dtype {dtype_name(self.model_config.dtype)} on {cpu_summary()} "
             f"(native bf16: {'yes' if native_bf16_supported() else 'no'}), {self.num_threads} threads; "
-            f"linears: {'oneDNN packed' if packed else 'F.linear'}; "
+            f"{self._describe_weights()}; "
+            f"linears: {self._describe_linears()}; "
             f"decode attention: {'C kernel' if c_kernel else 'torch'}; "
             f"prefill attention: {self._prefill_kernel()}"
         )
+
+    def _describe_linears(self) -> str:
+        modules = list(self.model.modules())
+        kinds = [
+            name
+            for name, attr in (("quantized", "quantized"), ("oneDNN packed", "packed"))
+            if any(getattr(m, attr, None) is not None for m in modules)
+        ]
+        return " + ".join(kinds) or "F.linear"
+
+    def _describe_weights(self) -> str:
+        """Resident weight bytes, and which are quantized (and run by which kernel)."""
+        total, quantized, kinds = weight_bytes(self.model)
+        text = f"weights {total / 2**20:.1f} MiB"
+        if not kinds:
+            return text
+        kernel = "C kernel" if cpu_kernels.qgemm_kernel(self.model_config.dtype) is not None else "torch"
+        count = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+        method = self.model_config.quantization
+        return f"{text} ({quantized / 2**20:.1f} MiB quantized, {method}: {count} tensors, {kernel})"
 
     def _prefill_kernel(self) -> str:
         """The C prefill kernel where every attention layer takes it (bf16 on AVX512-BF16), else SDPA."""

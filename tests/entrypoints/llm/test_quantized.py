@@ -29,15 +29,16 @@ random_prompts, run_ours, check_parity = DENSE.prompts, DENSE.run, DENSE.check
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def quantized_llama(request, tmp_path_factory):
     """(folder, transformers model with every decoder linear's weight replaced by its dequantized
-    quantization, method)."""
+    quantization and the embedding and LM head by their int8 one, method)."""
     folder = str(tmp_path_factory.mktemp("tiny") / "llama")
     model = save_tiny("llama", folder, perturbed=False, **LLM_SHAPE)
     reference = copy.deepcopy(model)
     bits = 8 if request.param == "int8" else 4
     with torch.no_grad():
         for name, module in reference.named_modules():
-            if isinstance(module, nn.Linear) and not name.endswith("lm_head"):
-                module.weight.copy_(quantize(module.weight, bits).dequantize())
+            if isinstance(module, nn.Linear | nn.Embedding):
+                table = isinstance(module, nn.Embedding) or name.endswith("lm_head")
+                module.weight.copy_(quantize(module.weight, 8 if table else bits).dequantize())
     return folder, reference, request.param
 
 
