@@ -7,7 +7,8 @@ default (9 query heads, 3 KV heads of 64, hidden 576, MLP 1536, vocab 49152; ove
 - decode attention over the paged cache at batch x context, achieved GB/s of K/V read and % of copy
   bandwidth;
 - prefill attention on chunks with and without a cached prefix, GFLOP/s and % of GEMM peak;
-- each linear at M rows, GB/s of weights and GFLOP/s (% of the better limit);
+- each linear at M rows, dense (oneDNN-packed) and weight-only int8 / int4: GB/s of the weights as
+  held, GFLOP/s (% of the limits);
 - RMSNorm (+ residual), SiLU-and-mul, rotary: GB/s.
 
 One JSON line per measurement (``--table`` prints a table instead). Times are the median of repeated
@@ -94,16 +95,28 @@ def prefill_attention(chunk: int, prefix: int, args: argparse.Namespace, dtype: 
             "GFLOP_s": flops / seconds / 1e9}  # fmt: skip
 
 
-def linear(name: str, m: int, n: int, k: int, dtype: torch.dtype) -> dict:
+def linear(name: str, m: int, n: int, k: int, dtype: torch.dtype, weights: str = "dense") -> dict:
+    """One linear as the model runs it (oneDNN-packed dense, or quantized "int8" / "int4"), over enough
+    copies of the weight to overflow the last-level cache, so decode reads come from memory."""
     from tokenos.layers.linear import Linear
 
-    layer = Linear(k, n)
-    layer.weight.data = torch.randn(n, k).to(dtype)
+    dense_bytes = n * k * dtype.itemsize
+    copies = max(1, -(-LLC_BYTES // dense_bytes))
+    layers = []
+    for _ in range(copies):
+        layer = Linear(k, n)
+        layer.weight.data = torch.randn(n, k).to(dtype)
+        layer.pack(None if weights == "dense" else weights)
+        layers.append(layer)
     x = torch.randn(m, k).to(dtype)
-    seconds = timed(lambda: layer(x))
-    weight_gb = n * k * dtype.itemsize / 1e9
-    return {"kernel": f"linear_{name}", "M": m, "N": n, "K": k, "us": seconds * 1e6,
-            "GB_s": weight_gb / seconds, "GFLOP_s": 2 * m * n * k / seconds / 1e9}  # fmt: skip
+    seconds = timed(lambda: [layer(x) for layer in layers]) / copies
+    held = layers[0].quantized.nbytes if layers[0].quantized is not None else dense_bytes
+    return {"kernel": f"linear_{name}", "weights": weights, "M": m, "N": n, "K": k, "us": seconds * 1e6,
+            "GB_s": held / seconds / 1e9, "GFLOP_s": 2 * m * n * k / seconds / 1e9}  # fmt: skip
+
+
+# Weights cycled through per measurement: more than a server CPU's last-level cache.
+LLC_BYTES = 64 << 20
 
 
 def elementwise(tokens: int, args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
@@ -145,6 +158,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048, 8192])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 2048])
     parser.add_argument(
+        "--weights",
+        nargs="+",
+        default=["dense", "int8", "int4"],
+        help="linears: dense (oneDNN-packed) and/or quantized int8 / int4 (weight-only)",
+    )
+    parser.add_argument(
         "--sections", nargs="+", default=["limits", "decode", "prefill", "linear", "elementwise"]
     )
     parser.add_argument("--table", action="store_true", help="a table instead of JSON lines")
@@ -183,7 +202,8 @@ def run(args: argparse.Namespace) -> list[dict]:
         }
         for m in args.rows:
             for name, (n, k) in shapes.items():
-                rows.append(linear(name, m, n, k, dtype))
+                for weights in args.weights:
+                    rows.append(linear(name, m, n, k, dtype, weights))
     if "elementwise" in args.sections:
         for tokens in (64, 2048):
             rows += elementwise(tokens, args, dtype)
