@@ -14,6 +14,8 @@ HASH_ALGOS = ("sha256", "xxhash", "blake2b")
 # Weight quantization (--quantization): see tokenos.models.config.resolve_quantization.
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4", "gptq", "awq")
 MAMBA_CACHE_MODES = ("align", "none", "all")
+# --kv-cache-dtype: see tokenos.platform.KV_CACHE_DTYPES (the spec dtype each one means).
+KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -79,9 +81,17 @@ class CacheConfig:
     # steps: prompt + answer so far), so the next turn of a chat resumes from the whole previous
     # turn. It costs no memory: the request's last running page is published instead of freed.
     mamba_checkpoint_at_end: bool = True
+    # The dtype of attention pages (vLLM's --kv-cache-dtype): "auto" (the model's), "bfloat16",
+    # "float32", or "fp8" / "fp8_e4m3" (one byte per value, about twice the tokens of bf16). Recurrent
+    # states of hybrid models keep their own dtype whatever this says.
+    cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
+        if self.cache_dtype not in KV_CACHE_DTYPE_CHOICES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.cache_dtype!r}."
+            )
         if self.hash_algo not in HASH_ALGOS:
             raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}.")
         if self.mamba_cache_mode not in MAMBA_CACHE_MODES:

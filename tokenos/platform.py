@@ -19,6 +19,19 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "half": torch.float16,
+    # KV-cache pages only (--kv-cache-dtype fp8 / fp8_e4m3): no layer computes in it.
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
+
+# --kv-cache-dtype values (vLLM's names) -> the canonical dtype name KV-cache specs carry; "auto" is
+# the model's dtype. fp8 is vLLM's alias of fp8_e4m3 (OCP e4m3fn: 4 exponent bits, 3 mantissa bits,
+# finite range +-448, no infinities).
+KV_CACHE_DTYPES: dict[str, str | None] = {
+    "auto": None,
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
 }
 
 
@@ -33,6 +46,23 @@ def torch_dtype(name: str) -> torch.dtype:
 def dtype_name(dtype: torch.dtype) -> str:
     """The canonical name of a torch dtype ("float32", "bfloat16"), as KV-cache specs write it."""
     return str(dtype).removeprefix("torch.")
+
+
+def kv_cache_dtype_name(cache_dtype: str, model_dtype: str) -> str:
+    """The spec dtype name of attention pages for ``--kv-cache-dtype cache_dtype`` under a model
+    computing in ``model_dtype`` (a canonical name); ValueError naming the choices if unknown."""
+    try:
+        name = KV_CACHE_DTYPES[cache_dtype]
+    except KeyError:
+        raise ValueError(
+            f"Unknown kv_cache_dtype {cache_dtype!r}; use one of {', '.join(KV_CACHE_DTYPES)}."
+        ) from None
+    return model_dtype if name is None else name
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether pages of this dtype hold float8 e4m3 values (stored scaled, read back times a scale)."""
+    return dtype == torch.float8_e4m3fn
 
 
 @functools.cache

@@ -72,9 +72,12 @@ def test_vllm_spellings_and_flags(caplog):
     assert args.kv_cache_memory_bytes == 2**30 and args.num_kv_blocks == 64
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "--gpu-memory-utilization" in warned and "--enforce-eager" in warned
-    for refused in (["-tp", "2"], ["--enable-lora"], ["--kv-cache-dtype", "fp8"]):
+    for refused in (["-tp", "2"], ["--enable-lora"]):
         with pytest.raises(SystemExit, match="is refused"):
             parse_serve_args(refused)
+    assert parse_serve_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    with pytest.raises(SystemExit):
+        parse_serve_args(["--kv-cache-dtype", "fp16x"])  # not a choice: argparse names the choices
     assert parse_serve_args(["-q", "int4"]).quantization == "int4"
     with pytest.raises(SystemExit):
         parse_serve_args(["--quantization", "fp8"])  # not built: argparse names the choices

@@ -7,12 +7,19 @@ It owns the scheduler and the model runner and nothing slow: no tokenizing, no t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Iterable
 from typing import Any
 
-from tokenos.core.kv_cache.spec import MambaSpec, SlidingWindowSpec, get_kv_cache_config
+from tokenos.core.kv_cache.spec import (
+    AttentionSpec,
+    KVCacheConfig,
+    MambaSpec,
+    SlidingWindowSpec,
+    get_kv_cache_config,
+)
 from tokenos.core.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from tokenos.core.request import Request, RequestStatus
 from tokenos.core.sched.scheduler import Scheduler
@@ -26,6 +33,14 @@ logger = logging.getLogger(__name__)
 
 # How long an idle step waits for a grammar being compiled before it returns.
 GRAMMAR_POLL_S = 0.002
+
+
+def _kv_tokens(config: KVCacheConfig) -> int:
+    """Tokens a pool holds for attention (pages divided among the attention groups)."""
+    groups = config.kv_cache_groups
+    attention = [g for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)] or groups
+    block_size = attention[0].kv_cache_spec.block_size
+    return (config.num_blocks - 1) * block_size // len(groups)
 
 
 class EngineCore:
@@ -57,6 +72,7 @@ class EngineCore:
             mamba_checkpoint_interval=cache_config.mamba_checkpoint_interval,
         )
         self.model_runner.initialize_kv_cache(self.kv_cache_config)
+        self._log_kv_dtype(cache_config.cache_dtype, layer_specs, model_config.max_model_len)
         speculative = args.speculative()
         if speculative is not None and self.logits_processors:
             raise ValueError(
@@ -107,13 +123,41 @@ class EngineCore:
             self.num_kv_tokens,
         )
 
+    def _log_kv_dtype(self, cache_dtype: str, layer_specs: dict, max_model_len: int) -> None:
+        """The attention pages' dtype and what it buys: the pool's tokens against bf16 pages in the same
+        bytes (sized again with bf16 attention specs, so hybrids' unified pages are accounted for)."""
+        attention = [s for s in layer_specs.values() if isinstance(s, AttentionSpec)]
+        if not attention or attention[0].dtype == "bfloat16":
+            if cache_dtype != "auto":
+                logger.info("KV cache %s: %d tokens", cache_dtype, self.num_kv_tokens)
+            return
+        bf16_specs = {
+            name: dataclasses.replace(s, dtype="bfloat16") if isinstance(s, AttentionSpec) else s
+            for name, s in layer_specs.items()
+        }
+        # Tokens per pool byte with these pages against bf16 ones (a fixed block count: valid even where
+        # the same bytes would hold too few bf16 pages for one request).
+        num_blocks = self.kv_cache_config.num_blocks
+        bf16 = get_kv_cache_config(
+            bf16_specs,
+            available_memory_bytes=None,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            mamba_checkpoint_interval=self.model_runner.cache_config.mamba_checkpoint_interval,
+        )
+
+        def tokens_per_byte(config: KVCacheConfig) -> float:
+            return _kv_tokens(config) / sum(t.size_bytes for t in config.kv_cache_tensors)
+
+        ratio = f" ({tokens_per_byte(self.kv_cache_config) / tokens_per_byte(bf16):.1f}x bf16)"
+        logger.info(
+            "KV cache %s (%s pages): %d tokens%s", cache_dtype, attention[0].dtype, self.num_kv_tokens, ratio
+        )
+
     @property
     def num_kv_tokens(self) -> int:
         """Tokens the pool holds for attention (pages divided among the attention groups)."""
-        groups = self.kv_cache_config.kv_cache_groups
-        attention = [g for g in groups if not isinstance(g.kv_cache_spec, MambaSpec)] or groups
-        block_size = attention[0].kv_cache_spec.block_size
-        return (self.kv_cache_config.num_blocks - 1) * block_size // len(groups)
+        return _kv_tokens(self.kv_cache_config)
 
     # ------------------------------------------------------------ requests
 

@@ -118,7 +118,7 @@ def cache_config_info(engine_args: Any, model_info: dict) -> dict[str, str]:
         "mamba_cache_mode": "mamba_cache_mode",
     }
     info = {name: str(getattr(engine_args, field, None)) for name, field in fields.items()}
-    info["cache_dtype"] = "auto"  # the KV cache is always in the model's dtype
+    info["cache_dtype"] = str(getattr(engine_args, "kv_cache_dtype", "auto"))
     info["num_gpu_blocks"] = str(model_info.get("num_kv_blocks"))
     return info
 

@@ -11,6 +11,12 @@ its group's `AttentionMetadata` from the `ForwardBatch`, does one ``index_copy_`
 decodes (the C kernel reading pages in place, or one gather plus one masked SDPA per group of decodes,
 GQA folded into the query-length axis) and one tiled attention per prefill chunk. Masked cache rows are
 multiplied by zero probabilities, so caches must hold finite values: allocate them zeroed.
+
+FP8 pages (``--kv-cache-dtype fp8``, float8 e4m3fn) store ``K / k_scale`` and ``V / v_scale``, clamped to
+the e4m3 range (+-448) before conversion so an outlier saturates instead of depending on how a torch
+version converts out-of-range values (NaN in some). One scale per tensor per layer, 1.0 by default
+(vLLM's calibration-free default). The C decode kernel reads the bytes in place; the torch paths
+gather and convert to the query's dtype; the C prefill kernel is bf16-only, so fp8 prefills use SDPA.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from tokenos.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from tokenos.layers import cpu_kernels
 from tokenos.layers.attention_metadata import AttentionMetadata, PrefillChunk
 from tokenos.layers.metadata import CacheLayer, ForwardBatch
-from tokenos.platform import native_bf16_supported
+from tokenos.platform import is_fp8, kv_cache_dtype_name, native_bf16_supported
 
 if TYPE_CHECKING:
     from tokenos.config import CacheConfig
@@ -58,9 +64,26 @@ def flat_cache_view(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     return flat, rows_per_block
 
 
+FP8_MAX = 448.0  # the largest finite float8 e4m3fn value
+
+
+def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """x / scale as float8 e4m3fn, saturating at +-448 (clamped first: conversion of out-of-range
+    values is not saturating in every torch version)."""
+    if scale != 1.0:
+        x = x / scale
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cache values as ``dtype``: fp8 pages widened and times their scale, others converted."""
+    x = x.to(dtype)
+    return x * scale if scale != 1.0 else x
+
+
 def _use_c_kernel(kv_cache: torch.Tensor) -> bool:
     """The C decode kernel reads pages in place: it needs whole-row pages and a built library."""
-    if kv_cache.dtype not in (torch.float32, torch.bfloat16):
+    if kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
         return False
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     row = num_kv_heads * head_size
@@ -86,8 +109,13 @@ class Attention(CacheLayer):
         self.head_size = head_size
         self.scale = scale
         self.sliding_window = sliding_window
+        # Per-tensor scales of fp8 pages (stored value = K / k_scale); unused by other dtypes.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def get_kv_cache_spec(self, cache_config: CacheConfig, dtype: str) -> FullAttentionSpec:
+        """Pages in ``cache_config.cache_dtype`` (``dtype``, the model's, when "auto")."""
+        dtype = kv_cache_dtype_name(getattr(cache_config, "cache_dtype", "auto"), dtype)
         args = (cache_config.block_size, self.num_kv_heads, self.head_size, dtype)
         if self.sliding_window is None:
             return FullAttentionSpec(*args)
@@ -108,13 +136,20 @@ class Attention(CacheLayer):
     ) -> torch.Tensor:
         """``forward`` on an explicit page tensor and metadata."""
         flat, rows_per_block = flat_cache_view(kv_cache)
-        flat.index_copy_(0, meta.write_rows(rows_per_block), torch.cat((k, v)).to(flat.dtype))
+        fp8 = is_fp8(flat.dtype)
+        if fp8:
+            # index_copy_ has no float8 kernel: write the bytes through uint8 views.
+            kv = torch.cat((quantize_fp8(k, self.k_scale), quantize_fp8(v, self.v_scale)))
+            flat.view(torch.uint8).index_copy_(0, meta.write_rows(rows_per_block), kv.view(torch.uint8))
+        else:
+            flat.index_copy_(0, meta.write_rows(rows_per_block), torch.cat((k, v)).to(flat.dtype))
         out = torch.empty_like(q)
         decode_batch = meta.decode_batch() if _use_c_kernel(kv_cache) else None
         if decode_batch is not None:
             tokens, table, lens = decode_batch
+            k_scale, v_scale = (self.k_scale, self.v_scale) if fp8 else (1.0, 1.0)
             o = cpu_kernels.paged_decode(
-                q[tokens].float(), kv_cache, table, lens, self.scale, self.sliding_window
+                q[tokens].float(), kv_cache, table, lens, self.scale, self.sliding_window, k_scale, v_scale
             )
             out[tokens] = o.to(q.dtype)
         for i, group in enumerate(meta.decode_groups if decode_batch is None else ()):
@@ -149,6 +184,8 @@ class Attention(CacheLayer):
         n, length = mask.shape[0], mask.shape[-1]
         kv = flat.index_select(0, rows).view(2, n, length, self.num_kv_heads, self.head_size)
         k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+        if is_fp8(flat.dtype):
+            k, v = dequantize(k, q.dtype, self.k_scale), dequantize(v, q.dtype, self.v_scale)
         group = self.num_heads // self.num_kv_heads
         o = F.scaled_dot_product_attention(
             q.view(n, self.num_kv_heads, group, self.head_size).to(k.dtype),
@@ -178,6 +215,11 @@ class Attention(CacheLayer):
             keys, values = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
         else:
             keys, values = flat.index_select(0, rows).view(2, chunk.seq_len, *flat.shape[1:]).unbind(0)
+            if is_fp8(flat.dtype):
+                keys, values = (
+                    dequantize(keys, q.dtype, self.k_scale),
+                    dequantize(values, q.dtype, self.v_scale),
+                )
         dtype = q.dtype if q.dtype == torch.float32 or native_bf16_supported() else torch.float32
         mask = meta.prefill_mask(i, self.sliding_window)
         out = F.scaled_dot_product_attention(

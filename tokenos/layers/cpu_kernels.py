@@ -114,6 +114,9 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes = argtypes
             fn.restype = None
+    # fp8 (e4m3fn) KV pages: decode only, so not in DTYPES (the step ops have no fp8 variant).
+    lib.paged_decode_fp8.argtypes = _SIGNATURES["paged_decode"]
+    lib.paged_decode_fp8.restype = None
     lib.paged_prefill_bf16.argtypes = _PREFILL_SIGNATURE
     lib.paged_prefill_bf16.restype = None
     lib.paged_prefill_supports.argtypes = [_I, _I, _I]
@@ -211,15 +214,22 @@ def paged_decode(
     seq_lens: torch.Tensor,
     scale: float,
     window: int | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q [n, H, D] float32; kv_cache [num_blocks, 2, bs, KVH, D] pages; -> [n, H, D] float32."""
+    """q [n, H, D] float32; kv_cache [num_blocks, 2, bs, KVH, D] pages (float32, bf16 or fp8 e4m3fn);
+    -> [n, H, D] float32. The cache holds K / k_scale and V / v_scale: scores are linear in K and
+    outputs in V, so the scales fold into the softmax scale and one multiply of the output."""
     lib = load()
     assert lib is not None
     n, num_heads, head_size = q.shape
     _, _, block_size, num_kv_heads, _ = kv_cache.shape
     q = q.contiguous()
     out = torch.empty_like(q)
-    fn = lib.paged_decode_bf16 if kv_cache.dtype == torch.bfloat16 else lib.paged_decode_f32
+    fn = {
+        torch.bfloat16: lib.paged_decode_bf16,
+        torch.float8_e4m3fn: lib.paged_decode_fp8,
+    }.get(kv_cache.dtype, lib.paged_decode_f32)
     fn(
         q.data_ptr(),
         kv_cache.data_ptr(),
@@ -232,11 +242,11 @@ def paged_decode(
         num_heads,
         num_kv_heads,
         head_size,
-        scale,
+        scale * k_scale,
         window or 0,
         out.data_ptr(),
     )
-    return out
+    return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
 @cache  # asked by every attention layer every step; the library and the CPU do not change

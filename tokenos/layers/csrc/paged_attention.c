@@ -11,6 +11,9 @@
  * log-sum-exp. Inside an item, tokens go in tiles of TILE: scores for the tile (K read once), an
  * online-softmax update with a vectorized exp, then the tile's V rows (read once) accumulate into
  * float32 outputs. bf16 rows are widened to float32 on the fly; every product and sum is float32.
+ * fp8 pages (float8 e4m3fn bytes, the caller folding its per-tensor scales into `scale` and the
+ * output) are widened the same way: exactly, by integer operations (portable path) or through
+ * float16 and vcvtph2ps (AVX-512 path).
  *
  * The inner loops over the head dimension are plain C written for the compiler's vectorizer: the
  * library is compiled on first use with -march=native (see tokenos/layers/cpu_kernels.py), so they
@@ -34,6 +37,23 @@ static inline void widen_f32(const float *restrict src, float *restrict dst, int
 
 static inline void widen_bf16(const uint16_t *restrict src, float *restrict dst, int d) {
     for (int i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
+}
+
+/* float8 e4m3fn (sign, 4 exponent bits of bias 7, 3 mantissa bits) -> float32, exact. Normal values
+ * re-bias the exponent (+120) into float32 fields; subnormals (exponent 0) are m * 2^-9, built as a
+ * normal float32 so no denormal float arithmetic is involved. Branch-free so it vectorizes. The
+ * NaN bytes (0x7F, 0xFF) come out as +-480: writers clamp to +-448, so pages never hold them. */
+static inline float fp8_to_f32(uint8_t x) {
+    const uint32_t e = (x >> 3) & 0xF, m = x & 7;
+    const uint32_t bits = ((e + 120) << 23) | (m << 20);
+    float normal;
+    memcpy(&normal, &bits, sizeof normal);
+    const float v = e ? normal : (float)m * 0x1p-9f;
+    return (x & 0x80) ? -v : v;
+}
+
+static inline void widen_fp8(const uint8_t *restrict src, float *restrict dst, int d) {
+    for (int i = 0; i < d; i++) dst[i] = fp8_to_f32(src[i]);
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, int d) {
@@ -95,6 +115,7 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
 
 DEFINE_ITEM(item_f32, float, widen_f32)
 DEFINE_ITEM(item_bf16, uint16_t, widen_bf16)
+DEFINE_ITEM(item_fp8, uint8_t, widen_fp8)
 
 
 #ifdef __AVX512F__
@@ -104,6 +125,15 @@ static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16_bf16(const uint16_t *p) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+/* 16 e4m3fn bytes -> float32: each byte's exponent and mantissa shifted into a float16 (exponent bias
+ * 15, so the value is 2^-8 of the fp8 one, subnormals included), widened exactly by vcvtph2ps, then
+ * times 2^8. */
+static inline __m512 load16_fp8(const uint8_t *p) {
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p));
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x7F)), 7),
+                                      _mm256_slli_epi16(_mm256_and_si256(x, _mm256_set1_epi16(0x80)), 8));
+    return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 
 #define AVX_MAX_G 4
@@ -277,6 +307,9 @@ typedef void (*tile_bf16_fn)(const float *, float *, const uint16_t *const *, in
                              float *, float *);
 DEFINE_TILES(float, load16_f32)
 DEFINE_TILES(uint16_t, load16_bf16)
+typedef void (*tile_fp8_fn)(const float *, float *, const uint8_t *const *, int, int64_t, int64_t, float,
+                            float *, float *);
+DEFINE_TILES(uint8_t, load16_fp8)
 #ifdef __AVX512BF16__
 DEFINE_TILE_DP(tile_bf16dp_1_4, 1, 4) DEFINE_TILE_DP(tile_bf16dp_2_4, 2, 4)
 DEFINE_TILE_DP(tile_bf16dp_3_4, 3, 4) DEFINE_TILE_DP(tile_bf16dp_4_4, 4, 4)
@@ -306,6 +339,7 @@ static __attribute__((unused)) void *tile_fn_##T(int g, int dv) {               
 }
 TILE_TABLE(float)
 TILE_TABLE(uint16_t)
+TILE_TABLE(uint8_t)
 #ifdef __AVX512BF16__
 TILE_TABLE(bf16dp)
 #endif
@@ -380,6 +414,7 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
 }
 
 DEFINE_ITEM_AVX(item_avx_f32, float, tile_f32_fn, float, 0, 0)
+DEFINE_ITEM_AVX(item_avx_fp8, uint8_t, tile_fp8_fn, uint8_t, 0, 0)
 #ifdef __AVX512BF16__
 DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, tile_bf16_fn, bf16dp, 1, 1)
 #else
@@ -396,6 +431,7 @@ static int whole_request_items(int group, int num_kv_heads, int d) {
 static int whole_request_items(int group, int num_kv_heads, int d) { (void)group; (void)num_kv_heads; (void)d; return 0; }
 #define item_avx_f32 item_f32
 #define item_avx_bf16 item_bf16
+#define item_avx_fp8 item_fp8
 #endif
 
 /* How many splits a request of n visible tokens gets: enough items for every thread, but splits
@@ -493,5 +529,6 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
 
 DEFINE_DECODE(paged_decode_f32, float, item_f32, item_avx_f32)
 DEFINE_DECODE(paged_decode_bf16, uint16_t, item_bf16, item_avx_bf16)
+DEFINE_DECODE(paged_decode_fp8, uint8_t, item_fp8, item_avx_fp8)
 
 int paged_decode_max_head_size(void) { return MAX_HEAD; }
