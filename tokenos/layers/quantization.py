@@ -159,8 +159,9 @@ class QuantizedWeight:
         half, r = lane // 8, lane % 8
         nb, pairs, _ = self.cells.shape
         if self.bits == 4:
-            cells = self.cells.view(nb, pairs, 8, 2)[blk, :, r, :]
-            q = (cells >> (4 * half).to(torch.uint8)[:, None, None]) & 15
+            # Row r's bytes in each double cell: 16 * half + 2 * (r % 8) + t; low nibble the even pair.
+            cells = self.cells.view(nb, pairs // 2, 2, 8, 2)[blk, :, half, r, :]
+            q = torch.stack([cells & 15, cells >> 4], dim=2)
         else:
             q = self.cells.view(nb, pairs, 2, 8, 2)[blk, :, half, r, :]
         zeros = None if self.zeros is None else self.zeros[blk, :, lane]
@@ -207,8 +208,9 @@ class QuantizedWeight:
 
     def _kernels(self) -> dict[torch.dtype, object]:
         """Activation dtype -> csrc/qlinear.c's kernel for it, where the CPU and this shape allow."""
-        # The kernel reads column pairs, so a pair must not straddle two groups.
-        if self.shape[1] % 2 or self.group % 2:
+        # The kernel reads column pairs (int4: two at a time), which must not straddle two groups.
+        step = 4 if self.bits == 4 else 2
+        if self.shape[1] % step or self.group % step:
             return {}
         dtypes = [torch.float32] + ([torch.bfloat16] if native_bf16_supported() else [])
         found = {dtype: cpu_kernels.qgemm_kernel(dtype) for dtype in dtypes}
@@ -221,25 +223,36 @@ class QuantizedWeight:
 
 
 def _pack_cells(q: torch.Tensor, bits: int) -> torch.Tensor:
-    """[N (multiple of 16), K] values -> the kernel's cells [N / 16, K / 2, 16 or 32] (see qlinear.c)."""
+    """[N (multiple of 16), K] values -> the kernel's cells [N / 16, K / 2, 16] (int4: bytes of double
+    cells, two pairs per 32) or [N / 16, K / 2, 32] (int8); see qlinear.c."""
     n, k = q.shape
-    if k % 2:
-        q = F.pad(q, (0, 1))  # an odd K runs on the torch path; the pad is never read as a weight
-        k += 1
-    v = q.reshape(n // 16, 2, 8, k // 2, 2)
+    whole = 4 if bits == 4 else 2
+    if k % whole:
+        # A K the kernel cannot take (it runs on the torch path): padded to whole cells; the pad is never
+        # read as a weight.
+        q = F.pad(q, (0, -k % whole))
+        k = q.shape[1]
+    nb = n // 16
     if bits == 4:
-        b, a = (v[:, h].permute(0, 2, 1, 3).reshape(n // 16, k // 2, 16) for h in (0, 1))
-        return (b.to(torch.uint8) | (a.to(torch.uint8) << 4)).contiguous()
-    return v.to(torch.int8).permute(0, 3, 1, 2, 4).reshape(n // 16, k // 2, 32).contiguous()
+        # [block, half (B / A), row, double cell, parity, t] -> [block, double cell, parity, lane].
+        v = (
+            q.to(torch.uint8)
+            .reshape(nb, 2, 8, k // 4, 2, 2)
+            .permute(0, 3, 4, 1, 2, 5)
+            .reshape(nb, k // 4, 2, 32)
+        )
+        return (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(nb, k // 2, 16).contiguous()
+    v = q.to(torch.int8).reshape(nb, 2, 8, k // 2, 2)
+    return v.permute(0, 3, 1, 2, 4).reshape(nb, k // 2, 32).contiguous()
 
 
 def _unpack_cells(cells: torch.Tensor, bits: int) -> torch.Tensor:
     nb, pairs, _ = cells.shape
     if bits == 4:
-        halves = [cells & 15, cells >> 4]
-        v = torch.stack([h.reshape(nb, pairs, 8, 2) for h in halves], dim=1).permute(0, 1, 3, 2, 4)
-    else:
-        v = cells.reshape(nb, pairs, 2, 8, 2).permute(0, 2, 3, 1, 4)
+        dc = cells.reshape(nb, pairs // 2, 32)
+        v = torch.stack([dc & 15, dc >> 4], dim=2).reshape(nb, pairs // 2, 2, 2, 8, 2)
+        return v.permute(0, 3, 4, 1, 2, 5).reshape(nb * 16, pairs * 2)
+    v = cells.reshape(nb, pairs, 2, 8, 2).permute(0, 2, 3, 1, 4)
     return v.reshape(nb * 16, pairs * 2)
 
 

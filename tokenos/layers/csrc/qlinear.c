@@ -6,12 +6,14 @@
  * to fp16 (the precision GGUF stores them in).
  *
  * Layout (built by tokenos/layers/quantization.py): rows in blocks of 16, columns in pairs. For block b
- * and column pair p, the 32 weights w[16b + r, 2p + t] (r < 16, t < 2) sit in one 16-byte (int4) or
- * 32-byte (int8) cell, ordered so that widening the cell gives two 16-lane vectors
+ * and column pair p, the 32 weights w[16b + r, 2p + t] (r < 16, t < 2) form one cell, ordered so that
+ * widening it gives two 16-lane vectors
  *   B = (r0 t0, r0 t1, r1 t0, ..., r7 t1)   and   A = (r8 t0, ..., r15 t1)
- * with no shuffle: int4 byte i = B[i] | A[i] << 4; int8 bytes 0..15 = B, 16..31 = A. After the scale and
- * zero, one vcvtne2ps2bf16(A, B) turns the cell into the pair layout vdpbf16ps multiplies against a
- * broadcast (x[2p], x[2p+1]): dword lane r = row r. Scales and zeros are fp16 [blocks][groups][16].
+ * with no shuffle. int8: 32 bytes per pair, bytes 0..15 = B, 16..31 = A. int4: 32 bytes per two pairs
+ * (2j, 2j + 1), byte i = lane i of pair 2j | lane i of pair 2j + 1 << 4 (lanes 0..15 = B, 16..31 = A),
+ * so one 32-byte load widens to both pairs. After the scale and zero, one vcvtne2ps2bf16(A, B) turns a
+ * pair into the layout vdpbf16ps multiplies against a broadcast (x[2p], x[2p+1]): dword lane r = row r.
+ * Scales and zeros are fp16 [blocks][groups][16].
  *
  * qgemm_*: up to 8 activation rows (decode), each cell's integers go straight into the dot product and
  * each group's scale and zero apply once to its integer sum, so the weights are read once, as packed
@@ -43,7 +45,12 @@
 
 int qlinear_available(void) { return QL_F32 | (QL_BF16 << 1); }
 
+/* Bytes of one 16-row block per column pair, and where pair p's cell starts (int4: its double cell,
+ * the pair's values in nibble p & 1). */
 static inline int64_t cell_bytes(int bits) { return bits == 4 ? 16 : 32; }
+static inline const uint8_t *cell_at(const uint8_t *cells, int64_t p, int bits) {
+    return bits == 4 ? cells + (p >> 1) * 32 : cells + p * 32;
+}
 
 #if QL_BF16
 #define KCP 128 /* column pairs per panel chunk: 16 KiB for 32 rows */
@@ -59,26 +66,47 @@ typedef struct {
 
 /* A cell's 32 integers as bf16 pairs (dword lane r = row r). An int4 nibble v becomes the bit pattern
  * 0x4300 | v, which is exactly 128 + v; an int8 goes through fp32, exactly. */
-static inline __m512i cell_ints(const uint8_t *cell, int bits) {
-    if (bits == 4) {
-        __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)cell));
-        __m256i lo = _mm256_and_si256(v, _mm256_set1_epi16(15)), hi = _mm256_srli_epi16(v, 4);
-        return _mm512_or_si512(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), _mm512_set1_epi16(0x4300));
-    }
+static inline __m512i int8_ints(const uint8_t *cell) {
     __m512 b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cell)));
     __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(cell + 16))));
     return (__m512i)_mm512_cvtne2ps_pbh(a, b);
 }
 
+/* Pairs p (even) and p + 1 of a block: one load for int4's double cell. */
+static inline void pair_ints(const uint8_t *cells, int64_t p, int bits, __m512i *even, __m512i *odd) {
+    if (bits == 4) {
+        __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(cells + (p >> 1) * 32)));
+        const __m512i f = _mm512_set1_epi16(15), bias = _mm512_set1_epi16(0x4300);
+        *even = _mm512_or_si512(_mm512_and_si512(v, f), bias);
+        *odd = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
+    } else {
+        *even = int8_ints(cells + p * 32);
+        *odd = int8_ints(cells + (p + 1) * 32);
+    }
+}
+
 /* Scale and zero of block blk (clamped to the last), group g, lane r = row r. With q the cell's integer
  * (128 + v for int4), sum_k w x = s * sum_k q x + (z - 128 s) * sum_k x over the group. */
-static inline void group_scale(const qweight *w, int64_t blk, int64_t g, __m512 *sc, __m512 *zc) {
+static inline void group_scale(const qweight *w, int64_t blk, int64_t g, float offset, __m512 *sc, __m512 *zc) {
     int64_t nblocks = (w->N + 15) / 16, groups = w->K / w->group;
     blk = blk < nblocks ? blk : nblocks - 1;
     *sc = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->s + (blk * groups + g) * 16)));
     *zc = w->z ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w->z + (blk * groups + g) * 16)))
                : _mm512_setzero_ps();
-    if (w->bits == 4) *zc = _mm512_fnmadd_ps(_mm512_set1_ps(128.0f), *sc, *zc);
+    if (offset != 0.0f) *zc = _mm512_fnmadd_ps(_mm512_set1_ps(offset), *sc, *zc);
+}
+
+/* An int8 cell as two planes of nibbles, for few rows: with u = q + 128 = 16 h + l, the bf16 patterns
+ * 0x4300 | l and 0x4300 | h are 128 + l and 128 + h exactly, and
+ * sum q x = 16 sum (128 + h) x + sum (128 + l) x - 2304 sum x: one widening and two dot products per
+ * cell instead of two conversions through fp32. */
+#define INT8_PLANES_OFFSET 2304.0f
+static inline void int8_planes(const uint8_t *cell, __m512i *lo, __m512i *hi) {
+    __m256i u = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)cell), _mm256_set1_epi8((char)0x80));
+    __m512i v = _mm512_cvtepu8_epi16(u);
+    const __m512i f = _mm512_set1_epi16(15), bias = _mm512_set1_epi16(0x4300);
+    *lo = _mm512_or_si512(_mm512_and_si512(v, f), bias);
+    *hi = _mm512_or_si512(_mm512_srli_epi16(v, 4), bias);
 }
 
 /* Every row's sum of x over each group: xsum[m * groups + g]. */
@@ -123,32 +151,60 @@ static inline __attribute__((always_inline)) void gemv_tile(int mt, const qweigh
                                                             float *acc) {
     int64_t groups = w->K / w->group, gp = w->group / 2, cb = cell_bytes(w->bits);
     int64_t nblocks = (w->N + 15) / 16;
-    int two = blk0 + 1 < nblocks, split = mt <= 2;
+    /* split: even and odd pairs in separate chains (int4), or int8 as two nibble planes. */
+    int two = blk0 + 1 < nblocks, split = mt <= 2, planes = split && w->bits == 8;
+    float offset = w->bits == 4 ? 128.0f : planes ? INT8_PLANES_OFFSET : 0.0f;
     const uint8_t *c0 = w->q + blk0 * (w->K / 2) * cb, *c1 = c0 + (w->K / 2) * cb;
     for (int i = 0; i < mt * 32; i++) acc[i] = 0.0f;
     for (int64_t g = 0; g < groups; g++) {
         __m512 d[MV][2], e[2][2];
         for (int i = 0; i < mt; i++) d[i][0] = d[i][1] = _mm512_setzero_ps();
         for (int i = 0; i < 2; i++) e[i][0] = e[i][1] = _mm512_setzero_ps();
-        int64_t p = g * gp, end = p + gp;
-        for (; split && p + 1 < end; p += 2) {
-            __m512bh w0 = (__m512bh)cell_ints(c0 + p * cb, w->bits);
-            __m512bh v0 = (__m512bh)cell_ints(c0 + (p + 1) * cb, w->bits);
-            __m512bh w1 = two ? (__m512bh)cell_ints(c1 + p * cb, w->bits) : w0;
-            __m512bh v1 = two ? (__m512bh)cell_ints(c1 + (p + 1) * cb, w->bits) : v0;
+        int64_t p = g * gp, end = p + gp; /* p is even: int4 groups hold whole double cells */
+        for (; planes && p < end; p++) { /* e: the high planes */
+            __m512i l0, h0, l1, h1;
+            int8_planes(c0 + p * 32, &l0, &h0);
+            if (two)
+                int8_planes(c1 + p * 32, &l1, &h1);
+            else
+                l1 = l0, h1 = h0;
+            for (int i = 0; i < mt; i++) {
+                int32_t pr;
+                memcpy(&pr, x + i * xs + 2 * p, 4);
+                __m512bh xb = (__m512bh)_mm512_set1_epi32(pr);
+                d[i][0] = _mm512_dpbf16_ps(d[i][0], (__m512bh)l0, xb);
+                d[i][1] = _mm512_dpbf16_ps(d[i][1], (__m512bh)l1, xb);
+                e[i][0] = _mm512_dpbf16_ps(e[i][0], (__m512bh)h0, xb);
+                e[i][1] = _mm512_dpbf16_ps(e[i][1], (__m512bh)h1, xb);
+            }
+        }
+        for (; p + 1 < end; p += 2) {
+            _mm_prefetch((const char *)cell_at(c0, p + 16, w->bits), _MM_HINT_T0);
+            _mm_prefetch((const char *)cell_at(c1, p + 16, w->bits), _MM_HINT_T0);
+            __m512i w0, v0, w1, v1;
+            pair_ints(c0, p, w->bits, &w0, &v0);
+            if (two)
+                pair_ints(c1, p, w->bits, &w1, &v1);
+            else
+                w1 = w0, v1 = v0;
             for (int i = 0; i < mt; i++) {
                 int32_t pr[2];
                 memcpy(pr, x + i * xs + 2 * p, 8);
                 __m512bh xe = (__m512bh)_mm512_set1_epi32(pr[0]), xo = (__m512bh)_mm512_set1_epi32(pr[1]);
-                d[i][0] = _mm512_dpbf16_ps(d[i][0], w0, xe);
-                d[i][1] = _mm512_dpbf16_ps(d[i][1], w1, xe);
-                e[i][0] = _mm512_dpbf16_ps(e[i][0], v0, xo);
-                e[i][1] = _mm512_dpbf16_ps(e[i][1], v1, xo);
+                d[i][0] = _mm512_dpbf16_ps(d[i][0], (__m512bh)w0, xe);
+                d[i][1] = _mm512_dpbf16_ps(d[i][1], (__m512bh)w1, xe);
+                if (split) {
+                    e[i][0] = _mm512_dpbf16_ps(e[i][0], (__m512bh)v0, xo);
+                    e[i][1] = _mm512_dpbf16_ps(e[i][1], (__m512bh)v1, xo);
+                } else {
+                    d[i][0] = _mm512_dpbf16_ps(d[i][0], (__m512bh)v0, xo);
+                    d[i][1] = _mm512_dpbf16_ps(d[i][1], (__m512bh)v1, xo);
+                }
             }
         }
-        for (; p < end; p++) {
-            __m512bh w0 = (__m512bh)cell_ints(c0 + p * cb, w->bits);
-            __m512bh w1 = two ? (__m512bh)cell_ints(c1 + p * cb, w->bits) : w0;
+        for (; p < end; p++) { /* int8 groups of an odd number of pairs */
+            __m512bh w0 = (__m512bh)int8_ints(c0 + p * 32);
+            __m512bh w1 = two ? (__m512bh)int8_ints(c1 + p * 32) : w0;
             for (int i = 0; i < mt; i++) {
                 int32_t pr;
                 memcpy(&pr, x + i * xs + 2 * p, 4);
@@ -159,9 +215,12 @@ static inline __attribute__((always_inline)) void gemv_tile(int mt, const qweigh
         }
         for (int h = 0; h < 2; h++) {
             __m512 sc, zc;
-            group_scale(w, blk0 + h, g, &sc, &zc);
+            group_scale(w, blk0 + h, g, offset, &sc, &zc);
             for (int i = 0; i < mt; i++) {
-                __m512 dot = split ? _mm512_add_ps(d[i][h], e[i < 2 ? i : 0][h]) : d[i][h];
+                __m512 odd = e[i < 2 ? i : 0][h];
+                __m512 dot = planes  ? _mm512_fmadd_ps(_mm512_set1_ps(16.0f), odd, d[i][h])
+                             : split ? _mm512_add_ps(d[i][h], odd)
+                                     : d[i][h];
                 __m512 a = _mm512_loadu_ps(acc + i * 32 + h * 16);
                 a = _mm512_fmadd_ps(sc, dot, a);
                 a = _mm512_fmadd_ps(zc, _mm512_set1_ps(xsum[i * groups + g]), a);
@@ -199,11 +258,15 @@ static void qgemv_bf16(const qweight *w, const uint16_t *x, int64_t M, int64_t x
  * shape. */
 
 /* A cell as two fp32 vectors in the B (rows 0-7) and A (rows 8-15) lane orders. */
-static inline void cell_floats(const uint8_t *cell, int bits, __m512 *b, __m512 *a) {
+static inline void cell_floats(const uint8_t *cells, int64_t p, int bits, __m512 *b, __m512 *a) {
+    const uint8_t *cell = cell_at(cells, p, bits);
     if (bits == 4) {
-        __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)cell));
-        *b = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(15)));
-        *a = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
+        __m128i shift = _mm_cvtsi32_si128(4 * (int)(p & 1));
+        __m512i f = _mm512_set1_epi32(15);
+        __m512i db = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)cell));
+        __m512i da = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(cell + 16)));
+        *b = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(db, shift), f));
+        *a = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srl_epi32(da, shift), f));
     } else {
         *b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)cell)));
         *a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(cell + 16))));
@@ -235,7 +298,7 @@ static void deq_block(const qweight *w, int64_t blk, int64_t p0, int64_t p1, __m
         if (w->z) spread(w->z + (blk * groups + g) * 16, &zb, &za);
         for (; p < end; p++) {
             __m512 b, a;
-            cell_floats(cells + p * cb, w->bits, &b, &a);
+            cell_floats(cells, p, w->bits, &b, &a);
             dst[(p - p0) * step] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(a, sa, za), _mm512_fmadd_ps(b, sb, zb));
         }
     }
@@ -315,18 +378,15 @@ void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, cons
 #define MT32 2
 
 /* One cell as four 8-lane fp32 vectors: rows 0-3, 4-7 (B halves), 8-11, 12-15 (A halves). */
-static inline void cell256(const uint8_t *cell, int bits, __m256 v[4]) {
-    if (bits == 4) {
-        __m256i lo = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)cell));
-        __m256i hi = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cell + 8)));
-        __m256i f = _mm256_set1_epi32(15);
-        v[0] = _mm256_cvtepi32_ps(_mm256_and_si256(lo, f));
-        v[1] = _mm256_cvtepi32_ps(_mm256_and_si256(hi, f));
-        v[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(lo, 4));
-        v[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(hi, 4));
-    } else {
-        for (int j = 0; j < 4; j++)
-            v[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cell + 8 * j))));
+/* Pair p of a block as four 8-lane fp32 vectors: rows 0-3, 4-7 (B halves), 8-11, 12-15 (A halves). */
+static inline void cell256(const uint8_t *cells, int64_t p, int bits, __m256 v[4]) {
+    const uint8_t *cell = cell_at(cells, p, bits);
+    __m128i shift = _mm_cvtsi32_si128(4 * (int)(p & 1));
+    for (int j = 0; j < 4; j++) {
+        __m128i bytes = _mm_loadl_epi64((const __m128i *)(cell + 8 * j));
+        __m256i q = bits == 4 ? _mm256_and_si256(_mm256_srl_epi32(_mm256_cvtepu8_epi32(bytes), shift), _mm256_set1_epi32(15))
+                              : _mm256_cvtepi8_epi32(bytes);
+        v[j] = _mm256_cvtepi32_ps(q);
     }
 }
 
@@ -358,7 +418,7 @@ static void deq_block_f32(const qweight32 *w, int64_t blk, int64_t p0, int64_t p
         if (w->z) group256(w->z + (blk * groups + g) * 16, zc);
         for (; p < end; p++) {
             __m256 v[4];
-            cell256(cells + p * cb, w->bits, v);
+            cell256(cells, p, w->bits, v);
             for (int j = 0; j < 4; j++) dst[(p - p0) * 4 + j] = _mm256_fmadd_ps(v[j], sc[j], zc[j]);
         }
     }
