@@ -43,9 +43,25 @@ _SIGNATURES = {
 }
 _PREFILL_SIGNATURE = [_P, _I64, _P, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I64]
 _QLINEAR_SIGNATURES = {
-    "qgemm_bf16": [_P, _I64, _I64, _P, _P, _P, _I, _I, _I64, _I64, _P, _I64, _I],
-    "qgemm_f32": [_P, _I64, _I64, _P, _P, _P, _I, _I, _I64, _I64, _P, _I64],
+    "qgemm_bf16_desc": [_P, _P, _I64, _I64, _P, _I64, _I],
+    "qgemm_f32_desc": [_P, _P, _I64, _I64, _P, _I64],
 }
+
+
+class QDesc(ctypes.Structure):
+    """csrc/qlinear.c's ``qdesc``: a packed weight, described once."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p),
+        ("s", ctypes.c_void_p),
+        ("z", ctypes.c_void_p),
+        ("bits", ctypes.c_int32),
+        ("group", ctypes.c_int32),
+        ("K", ctypes.c_int64),
+        ("N", ctypes.c_int64),
+    ]
+
+
 # The dtypes the kernels are written for: tensors of other dtypes take the torch path.
 DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -130,13 +146,14 @@ def load() -> ctypes.CDLL | None:
 
 @cache
 def qgemm_kernel(dtype: torch.dtype):
-    """csrc/qlinear.c's ``qgemm`` for activations in ``dtype``, or None where the library or this CPU
-    lacks it (fp32: AVX2 + FMA + F16C; bf16: AVX512-BF16)."""
+    """csrc/qlinear.c's ``qgemm_*_desc`` for activations in ``dtype`` (called with a `QDesc` address
+    first), or None where the library or this CPU lacks it (fp32: AVX2 + FMA + F16C; bf16:
+    AVX512-BF16)."""
     lib = load()
     if lib is None or dtype not in DTYPES:
         return None
     bit = 2 if dtype == torch.bfloat16 else 1
-    return getattr(lib, f"qgemm_{DTYPES[dtype]}") if lib.qlinear_available() & bit else None
+    return getattr(lib, f"qgemm_{DTYPES[dtype]}_desc") if lib.qlinear_available() & bit else None
 
 
 def usable(*tensors: torch.Tensor) -> bool:

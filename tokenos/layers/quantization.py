@@ -14,6 +14,7 @@ kernel is tested against, slow but exact.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -133,7 +134,8 @@ class QuantizedWeight:
         self.cells = _pack_cells(q, t.bits)
         self.scales = _pack_groups(scales)
         self.zeros = None if t.zeros is None else _pack_groups(F.pad(t.zeros.half(), (0, 0, 0, padded)))
-        self._args = self._weight_args()
+        self._desc = self._describe()
+        self._desc_address = ctypes.addressof(self._desc)
         self._gemms = self._kernels()
 
     @property
@@ -178,23 +180,23 @@ class QuantizedWeight:
         if gemm is None and x.dtype == torch.bfloat16 and torch.float32 in self._gemms:
             # bf16 activations without the bf16 kernel (AVX2): the fp32 one, as linear._upcast_linear.
             return self(x.float(), None if bias is None else bias.float(), out_dtype)
-        x2 = x.reshape(-1, k)
+        x2 = x if x.dim() == 2 else x.reshape(-1, k)
         m = x2.shape[0]
         if gemm is None or m == 0 or x2.stride(-1) != 1:
             return self._reference(x2, bias, out_dtype).reshape(*x.shape[:-1], n)
-        # Called per layer per step: kept to one allocation and the kernel call.
+        # Called per layer per step: one allocation and one kernel call of few arguments.
         if x.dtype == torch.bfloat16:
             f32 = out_dtype == torch.float32
             out = torch.empty((m, n), dtype=torch.float32 if f32 else torch.bfloat16)
-            gemm(x2.data_ptr(), m, x2.stride(0), *self._args, out.data_ptr(), n, int(f32))
+            gemm(self._desc_address, x2.data_ptr(), m, x2.stride(0), out.data_ptr(), n, f32)
         else:
             out = torch.empty((m, n), dtype=torch.float32)
-            gemm(x2.data_ptr(), m, x2.stride(0), *self._args, out.data_ptr(), n)
-        if out.dtype != out_dtype:
-            out = out.to(out_dtype)
+            gemm(self._desc_address, x2.data_ptr(), m, x2.stride(0), out.data_ptr(), n)
+            if out_dtype != torch.float32:
+                out = out.to(out_dtype)
         if bias is not None:
             out += bias
-        return out.reshape(*x.shape[:-1], n)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
 
     def _reference(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         """Dequantize and F.linear: the torch path (and, for bf16 on a CPU without native bf16, its
@@ -216,10 +218,13 @@ class QuantizedWeight:
         found = {dtype: cpu_kernels.qgemm_kernel(dtype) for dtype in dtypes}
         return {dtype: fn for dtype, fn in found.items() if fn is not None}
 
-    def _weight_args(self) -> tuple:
-        zeros = None if self.zeros is None else self.zeros.data_ptr()
+    def _describe(self) -> cpu_kernels.QDesc:
+        """The kernel's description of these packed bytes (kept alive with them)."""
         n, k = self.shape
-        return (self.cells.data_ptr(), self.scales.data_ptr(), zeros, self.bits, self.group, n, k)
+        zeros = None if self.zeros is None else self.zeros.data_ptr()
+        return cpu_kernels.QDesc(
+            self.cells.data_ptr(), self.scales.data_ptr(), zeros, self.bits, self.group, k, n
+        )
 
 
 def _pack_cells(q: torch.Tensor, bits: int) -> torch.Tensor:

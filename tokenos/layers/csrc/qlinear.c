@@ -45,6 +45,15 @@
 
 int qlinear_available(void) { return QL_F32 | (QL_BF16 << 1); }
 
+/* A packed weight as the Python side describes it once (one pointer per call instead of seven
+ * arguments: ctypes converts every argument on every call). */
+typedef struct {
+    const uint8_t *q;
+    const uint16_t *s, *z;
+    int32_t bits, group;
+    int64_t K, N;
+} qdesc;
+
 /* Bytes of one 16-row block per column pair, and where pair p's cell starts (int4: its double cell,
  * the pair's values in nibble p & 1). */
 static inline int64_t cell_bytes(int bits) { return bits == 4 ? 16 : 32; }
@@ -483,3 +492,19 @@ void qgemm_f32(const float *x, int64_t M, int64_t xs, const uint8_t *q, const ui
     abort();
 }
 #endif
+
+void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s,
+                const uint16_t *z, int bits, int group, int64_t N, int64_t K, void *out, int64_t os,
+                int out_f32);
+void qgemm_f32(const float *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s, const uint16_t *z,
+               int bits, int group, int64_t N, int64_t K, float *out, int64_t os);
+
+void qgemm_bf16_desc(const qdesc *w, const uint16_t *x, int64_t M, int64_t xs, void *out, int64_t os,
+                     int out_f32) {
+    qgemm_bf16(x, M, xs, w->q, w->s, w->z, w->bits, w->group, w->N, w->K, out, os, out_f32);
+}
+
+void qgemm_f32_desc(const qdesc *w, const float *x, int64_t M, int64_t xs, float *out, int64_t os) {
+    qgemm_f32(x, M, xs, w->q, w->s, w->z, w->bits, w->group, w->N, w->K, out, os);
+}
+
