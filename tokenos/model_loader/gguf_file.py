@@ -64,6 +64,14 @@ class GGUFFile:
         data_start = -(-self._pos // alignment) * alignment
         self.tensors = [GGUFTensorInfo(n, s, t, data_start + o) for n, s, t, o in infos]
 
+    def close(self) -> None:
+        """Unmap the file: its pages stop counting as the process's memory once the weights are copied
+        out. A no-op while numpy views into it are still alive."""
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+
     def _read(self, fmt: str) -> Any:
         (value,) = struct.unpack_from(fmt, self._map, self._pos)
         self._pos += struct.calcsize(fmt)

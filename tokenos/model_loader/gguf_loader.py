@@ -150,7 +150,9 @@ def iter_gguf_weights(
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """Yield (HF name, tensor) for every tensor, un-permuted: a `QuantizedTensor` for the 2-D weights
     whose blocks stay quantized (with ``keep_quantized``), float32 for every other one."""
-    reader = open_gguf(path)
+    # A reader of its own, not open_gguf's shared one: unmapped once every tensor is copied out, so the
+    # file's pages do not stay resident beside the weights made from them.
+    reader = GGUFFile(path)
     permuted = _field(reader, "general.architecture") == "llama"
     dequantized: Counter[str] = Counter()
     for tensor in reader.tensors:
@@ -172,6 +174,7 @@ def iter_gguf_weights(
         array = reader.dequantize(tensor)
         array = array if fix is None else fix(array)
         yield name, torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+    reader.close()
     if dequantized:
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(dequantized.items()))
         logger.info("GGUF: dequantized %s tensor(s) at load (kept quantized: Q8_0, Q4_0, Q4_1)", kinds)
