@@ -77,6 +77,27 @@ def test_prefill_kernel_matches_torch_path(heads, kv_heads, head_size, window, m
     assert (fast - ref).abs().mean() <= 1.5 * (slow - ref).abs().mean() + 1e-4
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (4, 2, 32), (8, 1, 128)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_prefill_kernel_reads_fp8_pages(heads, kv_heads, head_size, window, monkeypatch):
+    """fp8 (e4m3fn) pages, widened to bf16 as the kernel packs them: against float32 SDPA over the same
+    fp8 values (the fresh K/V given already rounded to fp8, since the kernel reads them from the pages)."""
+    if not cpu_kernels.prefill_supported(heads, kv_heads, head_size):
+        pytest.skip("the C prefill kernel needs AVX512-BF16 and a supported head shape")
+    rng = random.Random(head_size + heads + (window or 0))
+    torch.manual_seed(rng.randrange(1 << 30))
+    block_size = 16
+    chunks = [(0, 17), (5, 1), (16, 16), (33, 50), (0, 300), (90, 129)]
+    tables, num_pages = _step(rng, chunks, block_size)
+    cache = torch.randn(num_pages, 2, block_size, kv_heads, head_size).to(torch.float8_e4m3fn)
+    q, k, v = _qkv(sum(n for _, n in chunks), heads, kv_heads, head_size)
+    k8, v8 = (t.float().to(torch.float8_e4m3fn).float() for t in (k, v))
+    attn = Attention(heads, kv_heads, head_size, head_size**-0.5, sliding_window=window)
+    fast = _run(attn, q, k, v, cache.clone(), tables, chunks, block_size, True, monkeypatch)
+    ref = _run(attn, q.float(), k8, v8, cache.float(), tables, chunks, block_size, False, monkeypatch)
+    torch.testing.assert_close(fast, ref, atol=1.5e-2, rtol=2e-2)
+
+
 def test_prefill_kernel_writes_only_prefill_rows_and_reads_pages_in_place(monkeypatch):
     """The pages hold the only copy of a chunk's prefix: poisoning a page the chunk never maps must not
     change its output, and decode rows of the step are left to the decode path."""

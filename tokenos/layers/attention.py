@@ -16,7 +16,7 @@ FP8 pages (``--kv-cache-dtype fp8``, float8 e4m3fn) store ``K / k_scale`` and ``
 the e4m3 range (+-448) before conversion so an outlier saturates instead of depending on how a torch
 version converts out-of-range values (NaN in some). One scale per tensor per layer, 1.0 by default
 (vLLM's calibration-free default). The C decode kernel reads the bytes in place; the torch paths
-gather and convert to the query's dtype; the C prefill kernel is bf16-only, so fp8 prefills use SDPA.
+gather and convert to the query's dtype; the C prefill kernel widens them to bf16 as it packs K/V.
 """
 
 from __future__ import annotations
@@ -159,7 +159,12 @@ class Attention(CacheLayer):
             )
         if meta.prefills and self._use_c_prefill(q, kv_cache):
             chunks, table = meta.prefill_batch()
-            cpu_kernels.paged_prefill(q, kv_cache, table, chunks, self.scale, self.sliding_window, out)
+            fp8 = is_fp8(kv_cache.dtype)
+            scale = self.scale * (self.k_scale if fp8 else 1.0)
+            cpu_kernels.paged_prefill(q, kv_cache, table, chunks, scale, self.sliding_window, out)
+            if fp8 and self.v_scale != 1.0:
+                for chunk in meta.prefills:
+                    out[chunk.start : chunk.end].mul_(self.v_scale)
             return out.view(q.shape[0], -1)
         for i, chunk in enumerate(meta.prefills):
             rows = None if chunk.slots is None else meta.prefill_rows(i, rows_per_block)
@@ -167,10 +172,11 @@ class Attention(CacheLayer):
         return out.view(q.shape[0], -1)
 
     def _use_c_prefill(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """The C prefill kernel: bf16 on a CPU with AVX512-BF16, whole-row pages, heads contiguous."""
+        """The C prefill kernel: bf16 queries over bf16 or fp8 pages on a CPU with AVX512-BF16, whole-row
+        pages, heads contiguous."""
         return (
             q.dtype == torch.bfloat16
-            and kv_cache.dtype == torch.bfloat16
+            and kv_cache.dtype in (torch.bfloat16, torch.float8_e4m3fn)
             and q.stride(2) == 1
             and q.stride(1) == self.head_size
             and _use_c_kernel(kv_cache)

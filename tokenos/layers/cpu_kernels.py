@@ -41,7 +41,7 @@ _SIGNATURES = {
     "silu_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P, _I64, _I, _P, _I64, _I, _I, _I, _P, _P, _I64],
 }
-_PREFILL_SIGNATURE = [_P, _I64, _P, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I64]
+_PREFILL_SIGNATURE = [_P, _I64, _P, _I, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I64]
 _QLINEAR_SIGNATURES = {
     "qgemm_bf16_desc": [_P, _P, _I64, _I64, _P, _I64, _I],
     "qgemm_f32_desc": [_P, _P, _I64, _I64, _P, _I64],
@@ -286,8 +286,8 @@ def paged_prefill(
     window: int | None,
     out: torch.Tensor,
 ) -> None:
-    """Every prefill chunk of a step at once, bf16, reading the pages in place; see
-    prefill_attention.c. q and out [T, H, D] (heads contiguous, any token stride); chunks int32
+    """Every prefill chunk of a step at once, bf16 queries over bf16 or float8 e4m3fn pages, read in
+    place; see prefill_attention.c. q and out [T, H, D] (heads contiguous, any token stride); chunks int32
     [n, 3] = (first token, query length, cached tokens before it); block_table int32 [n, max_blocks]."""
     lib = load()
     assert lib is not None
@@ -297,6 +297,7 @@ def paged_prefill(
         q.data_ptr(),
         q.stride(0),
         kv_cache.data_ptr(),
+        int(kv_cache.dtype == torch.float8_e4m3fn),
         kv_cache.stride(0),
         block_size,
         block_table.data_ptr(),

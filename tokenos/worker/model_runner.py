@@ -120,8 +120,8 @@ class ModelRunner:
         """The C prefill kernel where every attention layer takes it (bf16 on AVX512-BF16), else SDPA."""
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         kv_dtype = getattr(self.cache_config, "cache_dtype", "auto")
-        if self.model_config.dtype != torch.bfloat16 or not layers or kv_dtype not in ("auto", "bfloat16"):
-            return "torch SDPA"  # the C kernel reads bf16 pages only
+        if self.model_config.dtype != torch.bfloat16 or not layers or kv_dtype == "float32":
+            return "torch SDPA"  # the C kernel reads bf16 and fp8 pages
         shapes = {(m.num_heads, m.num_kv_heads, m.head_size) for m in layers}
         return "C kernel" if all(cpu_kernels.prefill_supported(*s) for s in shapes) else "torch SDPA"
 
