@@ -16,6 +16,12 @@ def _args(*argv: str) -> argparse.Namespace:
     return parser.parse_args(tiny + list(argv))
 
 
+def test_decode_attention_over_fp8_pages(monkeypatch):
+    monkeypatch.setattr(kernels, "timed", lambda fn, **_: (fn(), 1e-3)[1])
+    rows = kernels.run(_args("--sections", "decode", "--kv-cache-dtype", "fp8"))
+    assert rows and all(row["kv"] == "float8_e4m3fn" and row["GB_s"] > 0 for row in rows)
+
+
 def test_every_section_reports_a_positive_rate(monkeypatch):
     monkeypatch.setattr(kernels, "copy_bandwidth", lambda: 10.0)  # the real one streams 256 MiB
     monkeypatch.setattr(kernels, "gemm_peak", lambda dtype: 100.0)
@@ -25,7 +31,9 @@ def test_every_section_reports_a_positive_rate(monkeypatch):
     assert {"copy", "gemm_2048"} <= names
     assert any(name.startswith("decode") for name in names), names
     assert any(name.startswith("prefill") for name in names), names
-    assert sum(row["kernel"].startswith("linear") for row in rows) == 2 * 5, names
+    # Two row counts x five shapes x dense / int8 / int4 weights.
+    assert sum(row["kernel"].startswith("linear") for row in rows) == 2 * 5 * 3, names
+    assert {row["weights"] for row in rows if "weights" in row} == {"dense", "int8", "int4"}
     for row in rows:
         rate = row.get("GB_s", row.get("GFLOP_s"))
         assert rate is not None and rate > 0, row

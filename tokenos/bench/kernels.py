@@ -59,8 +59,9 @@ def decode_attention(batch: int, context: int, args: argparse.Namespace, dtype: 
 
     block = args.block_size
     blocks_per_req = -(-context // block)
-    cache = allocate_kv_cache(batch * blocks_per_req + 1, block, args.kv_heads, args.head_dim, dtype)
-    cache.normal_()
+    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype in ("fp8", "fp8_e4m3") else dtype
+    cache = allocate_kv_cache(batch * blocks_per_req + 1, block, args.kv_heads, args.head_dim, kv_dtype)
+    cache.view(torch.uint8).copy_(torch.randn(cache.shape).to(kv_dtype).view(torch.uint8))
     tables = [list(range(1 + r * blocks_per_req, 1 + (r + 1) * blocks_per_req)) for r in range(batch)]
     meta = build_attention_metadata(tables, [context - 1] * batch, [1] * batch, block)
     attn = Attention(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)
@@ -68,9 +69,9 @@ def decode_attention(batch: int, context: int, args: argparse.Namespace, dtype: 
     k = torch.randn(batch, args.kv_heads, args.head_dim).to(dtype)
     v = torch.randn_like(k)
     seconds = timed(lambda: attn.attend(q, k, v, cache, meta))
-    kv_bytes = batch * context * 2 * args.kv_heads * args.head_dim * dtype.itemsize
-    return {"kernel": "decode_attention", "batch": batch, "context": context, "us": seconds * 1e6,
-            "GB_s": kv_bytes / seconds / 1e9}  # fmt: skip
+    kv_bytes = batch * context * 2 * args.kv_heads * args.head_dim * kv_dtype.itemsize
+    return {"kernel": "decode_attention", "batch": batch, "context": context, "kv": str(kv_dtype)[6:],
+            "us": seconds * 1e6, "GB_s": kv_bytes / seconds / 1e9}  # fmt: skip
 
 
 def prefill_attention(chunk: int, prefix: int, args: argparse.Namespace, dtype: torch.dtype) -> dict:
@@ -101,7 +102,7 @@ def linear(name: str, m: int, n: int, k: int, dtype: torch.dtype, weights: str =
     from tokenos.layers.linear import Linear
 
     dense_bytes = n * k * dtype.itemsize
-    copies = max(1, -(-LLC_BYTES // dense_bytes))
+    copies = min(MAX_COPIES, max(1, -(-LLC_BYTES // dense_bytes)))
     layers = []
     for _ in range(copies):
         layer = Linear(k, n)
@@ -115,8 +116,10 @@ def linear(name: str, m: int, n: int, k: int, dtype: torch.dtype, weights: str =
             "GB_s": held / seconds / 1e9, "GFLOP_s": 2 * m * n * k / seconds / 1e9}  # fmt: skip
 
 
-# Weights cycled through per measurement: more than a server CPU's last-level cache.
+# Weights cycled through per measurement: more than a server CPU's last-level cache (in at most
+# MAX_COPIES layers: the embedded model's smallest linear takes 58).
 LLC_BYTES = 64 << 20
+MAX_COPIES = 64
 
 
 def elementwise(tokens: int, args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
@@ -154,6 +157,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-dtype", default="auto", help="decode attention pages: auto or fp8")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048, 8192])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 2048])
