@@ -130,6 +130,17 @@ def test_c_kernel_matches_torch_path_in_bfloat16(monkeypatch):
     torch.testing.assert_close(fast, slow.float(), atol=2e-2, rtol=2e-2)
 
 
+def decode_tables(lens: list[int], block_size: int) -> tuple[list[list[int]], int]:
+    """Block tables for decodes of these context lengths, each request's pages in reverse order (pages
+    in any order), and the pool size they need (page 0 is the null page)."""
+    tables, first = [], 1
+    for n in lens:
+        count = -(-n // block_size)
+        tables.append(list(range(first, first + count))[::-1])
+        first += count
+    return tables, first
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_size"),
@@ -147,11 +158,7 @@ def test_c_kernel_matches_torch_path_over_shapes(dtype, heads, kv_heads, head_si
     torch.manual_seed(head_size + heads)
     block_size = 16
     lens = [1, 5, 16, 17, 300, 1100]
-    tables, first = [], 1
-    for n in lens:
-        count = -(-n // block_size)
-        tables.append(list(range(first, first + count))[::-1])  # pages in any order
-        first += count
+    tables, first = decode_tables(lens, block_size)
     cache = torch.randn(first, 2, block_size, kv_heads, head_size).to(dtype)
     q = torch.randn(len(lens), heads, head_size).to(dtype)
     k, v = (torch.randn(len(lens), kv_heads, head_size).to(dtype) for _ in range(2))

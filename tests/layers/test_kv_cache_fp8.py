@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import tokenos.layers.attention as attention
+from tests.layers.test_attention import decode_tables
 from tokenos.config import KV_CACHE_DTYPE_CHOICES, CacheConfig
 from tokenos.core.kv_cache.spec import FullAttentionSpec, get_kv_cache_config
 from tokenos.layers import cpu_kernels
@@ -72,11 +73,7 @@ def test_c_fp8_kernel_matches_torch_fp8_path(heads, kv_heads, head_size, window,
     non-unit scales) against the torch gather path on the same pages, in float32."""
     torch.manual_seed(head_size + heads + block_size)
     lens = [1, 5, 16, 17, 300, 700]
-    tables, first = [], 1
-    for n in lens:
-        count = -(-n // block_size)
-        tables.append(list(range(first, first + count))[::-1])  # pages in any order
-        first += count
+    tables, first = decode_tables(lens, block_size)
     cache = quantize_fp8(4 * torch.randn(first, 2, block_size, kv_heads, head_size), 1.0)
     q = torch.randn(len(lens), heads, head_size)
     k, v = (torch.randn(len(lens), kv_heads, head_size) for _ in range(2))
