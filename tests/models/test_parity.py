@@ -35,6 +35,27 @@ CASES = {
     "phi3_partial_rotary_tied": ("phi3", {"partial_rotary_factor": 0.5, "tie_word_embeddings": True}),
     "granite_mup": ("granite", {}),
     "granite_mup_tied_bias": ("granite", {"tie_word_embeddings": True, "attention_bias": True}),
+    # MoE layer + dense layer each (checkpoints.py's _DENSE_EXTRA); the variants flip norm_topk_prob,
+    # swap which layer is sparse, drop Qwen2-MoE's q/k/v bias, and give Qwen3-MoE all attention biases.
+    "qwen2_moe_shared_expert": ("qwen2_moe", {}),
+    "qwen2_moe_norm_topk_no_bias": (
+        "qwen2_moe",
+        {"norm_topk_prob": True, "qkv_bias": False, "mlp_only_layers": [], "decoder_sparse_step": 2},
+    ),
+    "qwen3_moe_qk_norm": ("qwen3_moe", {}),
+    "qwen3_moe_unnormed_bias_tied": (
+        "qwen3_moe",
+        {
+            "norm_topk_prob": False,
+            "attention_bias": True,
+            "tie_word_embeddings": True,
+            "decoder_sparse_step": 1,
+        },
+    ),
+    # Window 8 on layer 0, full layer 1; Gemma 2 soft-caps scores and logits, Gemma 3 norms q / k and
+    # rotates each layer type with its own table (tests/fixtures/checkpoints.py's _DENSE_EXTRA).
+    "gemma2_softcap_sliding": ("gemma2", {}),
+    "gemma3_text_qk_norm_rope_per_type": ("gemma3_text", {}),
 }
 
 PROMPT = [(i * 37 + 11) % 120 + 3 for i in range(45)]

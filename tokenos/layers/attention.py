@@ -17,6 +17,11 @@ the e4m3 range (+-448) before conversion so an outlier saturates instead of depe
 version converts out-of-range values (NaN in some). One scale per tensor per layer, 1.0 by default
 (vLLM's calibration-free default). The C decode kernel reads the bytes in place; the torch paths
 gather and convert to the query's dtype; the C prefill kernel widens them to bf16 as it packs K/V.
+
+Attention-logit soft-capping (Gemma 2's ``attn_logit_softcapping``: ``tanh(s / cap) * cap`` on the scaled
+scores, before the mask) fits neither SDPA nor the C kernels, so a layer with ``logit_softcap`` set runs
+every decode and prefill through one explicit float32 attention over the same gathered pages
+(`softcap_attention`); the other layers' paths are unchanged.
 """
 
 from __future__ import annotations
@@ -92,8 +97,33 @@ def _use_c_kernel(kv_cache: torch.Tensor) -> bool:
     return head_size <= cpu_kernels.MAX_HEAD_SIZE and cpu_kernels.load() is not None
 
 
+def softcap_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    cap: float,
+) -> torch.Tensor:
+    """Explicit attention with soft-capped scores, as transformers' eager Gemma 2 attention: q [B, H, Lq, D],
+    k / v [B, KVH, Lk, D] (KVH divides H), ``mask`` bool broadcastable to [B, H, Lq, Lk] (None: causal,
+    aligned to the end of the keys). Scores, cap, mask and softmax in float32; returns float32."""
+    q, k, v = q.float(), k.float(), v.float()
+    if k.shape[1] != q.shape[1]:  # GQA: each KV head serves H / KVH query heads (transformers' repeat_kv)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if mask is None:
+        lq, lk = scores.shape[-2], scores.shape[-1]
+        mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
 class Attention(CacheLayer):
-    """Paged multi-head attention with GQA and an optional sliding window (in tokens)."""
+    """Paged multi-head attention with GQA, an optional sliding window (in tokens) and an optional
+    attention-logit soft cap (which keeps the layer on the explicit torch path, `softcap_attention`)."""
 
     def __init__(
         self,
@@ -102,8 +132,10 @@ class Attention(CacheLayer):
         head_size: int,
         scale: float,
         sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
+        self.logit_softcap = logit_softcap
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -144,7 +176,8 @@ class Attention(CacheLayer):
         else:
             flat.index_copy_(0, meta.write_rows(rows_per_block), torch.cat((k, v)).to(flat.dtype))
         out = torch.empty_like(q)
-        decode_batch = meta.decode_batch() if _use_c_kernel(kv_cache) else None
+        c_kernels = self.logit_softcap is None and _use_c_kernel(kv_cache)
+        decode_batch = meta.decode_batch() if c_kernels else None
         if decode_batch is not None:
             tokens, table, lens = decode_batch
             k_scale, v_scale = (self.k_scale, self.v_scale) if fp8 else (1.0, 1.0)
@@ -175,7 +208,8 @@ class Attention(CacheLayer):
         """The C prefill kernel: bf16 queries over bf16 or fp8 pages on a CPU with AVX512-BF16, whole-row
         pages, heads contiguous."""
         return (
-            q.dtype == torch.bfloat16
+            self.logit_softcap is None
+            and q.dtype == torch.bfloat16
             and kv_cache.dtype in (torch.bfloat16, torch.float8_e4m3fn)
             and q.stride(2) == 1
             and q.stride(1) == self.head_size
@@ -193,6 +227,10 @@ class Attention(CacheLayer):
         if is_fp8(flat.dtype):
             k, v = dequantize(k, q.dtype, self.k_scale), dequantize(v, q.dtype, self.v_scale)
         group = self.num_heads // self.num_kv_heads
+        if self.logit_softcap is not None:
+            qg = q.view(n, self.num_kv_heads, group, self.head_size)
+            o = softcap_attention(qg, k, v, mask, self.scale, self.logit_softcap)
+            return o.reshape(n, self.num_heads, self.head_size).to(q.dtype)
         o = F.scaled_dot_product_attention(
             q.view(n, self.num_kv_heads, group, self.head_size).to(k.dtype),
             k,
@@ -226,8 +264,18 @@ class Attention(CacheLayer):
                     dequantize(keys, q.dtype, self.k_scale),
                     dequantize(values, q.dtype, self.v_scale),
                 )
-        dtype = q.dtype if q.dtype == torch.float32 or native_bf16_supported() else torch.float32
         mask = meta.prefill_mask(i, self.sliding_window)
+        if self.logit_softcap is not None:
+            out = softcap_attention(
+                q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0),
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                mask,
+                self.scale,
+                self.logit_softcap,
+            )
+            return out[0].transpose(0, 1).to(q.dtype)
+        dtype = q.dtype if q.dtype == torch.float32 or native_bf16_supported() else torch.float32
         out = F.scaled_dot_product_attention(
             q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0).to(dtype),
             keys.transpose(0, 1).unsqueeze(0).to(dtype),

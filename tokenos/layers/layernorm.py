@@ -40,3 +40,14 @@ class RMSNorm(nn.Module):
             return self.norm(x)
         x = x + residual
         return self.norm(x), x
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), all in float32 and rounded once at the end, as
+    transformers' Gemma2/Gemma3RMSNorm do (checkpoints store the offset ``weight``, zero at init). Its
+    own ``norm`` keeps it off the fused C kernel, which scales by ``weight`` and rounds before it."""
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)

@@ -186,10 +186,13 @@ def _fields_from_hf(folder: str) -> dict[str, Any]:
         "rope_theta": theta,
         "rope_scaling": scaling,
         "max_position_embeddings": cfg.get("max_position_embeddings", 2048),
-        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", flags.get("tie_word_embeddings", False))),
         "sliding_window": sliding_window,
         "layer_sliding_windows": layer_windows,
-        "attention_bias": bool(cfg.get("attention_bias", flags.get("attention_bias", False))),
+        # Qwen2-MoE names its q/k/v bias "qkv_bias".
+        "attention_bias": bool(
+            cfg.get("attention_bias", cfg.get("qkv_bias", flags.get("attention_bias", False)))
+        ),
         "qk_norm": flags.get("qk_norm", False),
         "eos_token_ids": _as_id_tuple(cfg.get("eos_token_id")),
         "bos_token_id": cfg.get("bos_token_id"),
@@ -204,8 +207,23 @@ def _as_id_tuple(value: int | list[int] | None) -> tuple[int, ...]:
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """Accept transformers-5 ``rope_parameters`` and the older ``rope_theta`` + ``rope_scaling``."""
+    """Accept transformers-5 ``rope_parameters`` and the older ``rope_theta`` + ``rope_scaling``. Per-layer-
+    type parameters (Gemma 3) resolve to the full-attention layers'; `rope_for_layer_type` gives the rest."""
+    return rope_for_layer_type(cfg, "full_attention")
+
+
+def rope_for_layer_type(cfg: dict[str, Any], layer_type: str) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) of the layers of ``layer_type``. Gemma 3 gives each type its own: transformers 5
+    saves ``rope_parameters`` keyed by layer type, older configs ``rope_local_base_freq`` for the sliding
+    layers (no scaling) beside ``rope_theta`` + ``rope_scaling`` for the full ones. Every other config has
+    one set, whatever the type."""
     params = dict(cfg.get("rope_parameters") or {})
+    if layer_type in params and isinstance(params[layer_type], dict):
+        params = dict(params[layer_type])
+    elif params and all(isinstance(p, dict) for p in params.values()):
+        params = dict(params.get("full_attention") or {})  # keyed by type, this one absent
+    elif layer_type == "sliding_attention" and "rope_local_base_freq" in cfg:
+        return float(cfg["rope_local_base_freq"]), None
     if not params:
         params = dict(cfg.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
@@ -218,12 +236,32 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, params
 
 
+# Gemma: one full-attention layer in every `pattern` (transformers' default when a config has no layer_types).
+_GEMMA_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+
+
 def _sliding_windows_from_hf(cfg: dict[str, Any], architecture: str) -> tuple[int | None, tuple]:
-    """Mistral: one window for all layers. Qwen2/3: only layers typed "sliding_attention"."""
+    """Mistral: one window for all layers. Qwen2/3: only layers typed "sliding_attention". Gemma 2/3: the
+    layers typed "sliding_attention" in ``layer_types``, or (configs without it) transformers' default
+    pattern: Gemma 2 every other layer from layer 0, Gemma 3 all but every ``sliding_window_pattern``-th."""
     window = cfg.get("sliding_window")
     num_layers = cfg["num_hidden_layers"]
-    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        if not cfg.get("use_sliding_window", False) or window is None:
+    if architecture in _GEMMA_PATTERN:
+        pattern = _GEMMA_PATTERN[architecture]
+        if architecture == "Gemma3ForCausalLM":  # Gemma 2's is fixed; Gemma 3 configs may name theirs
+            pattern = int(cfg.get("sliding_window_pattern", pattern))
+        layer_types = cfg.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)
+        ]
+        if window is None:
+            return None, (None,) * num_layers
+        return window, tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if architecture == "Qwen3MoeForCausalLM":  # transformers: one window on every layer, if enabled
+        if not cfg.get("use_sliding_window", False) or not window:
+            return None, (None,) * num_layers
+        return window, (window,) * num_layers
+    if architecture in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM"):
+        if not cfg.get("use_sliding_window", False) or not window:
             return None, (None,) * num_layers
         layer_types = cfg.get("layer_types") or [
             "sliding_attention" if i >= cfg.get("max_window_layers", num_layers) else "full_attention"

@@ -30,8 +30,15 @@ ARCHITECTURES: dict[str, Architecture] = {
     "MistralForCausalLM": Architecture("llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": Architecture("llama", "LlamaForCausalLM", {"attention_bias": True}),
     "Qwen3ForCausalLM": Architecture("llama", "LlamaForCausalLM", {"qk_norm": True}),
+    "Qwen2MoeForCausalLM": Architecture("qwen_moe", "Qwen2MoeForCausalLM", {"attention_bias": True}),
+    "Qwen3MoeForCausalLM": Architecture("qwen_moe", "Qwen3MoeForCausalLM", {"qk_norm": True}),
     "Olmo2ForCausalLM": Architecture("olmo2", "Olmo2ForCausalLM"),
     "Phi3ForCausalLM": Architecture("phi3", "Phi3ForCausalLM"),
+    # Gemma configs may leave tie_word_embeddings out: transformers' default for them is True.
+    "Gemma2ForCausalLM": Architecture("gemma", "Gemma2ForCausalLM", {"tie_word_embeddings": True}),
+    "Gemma3ForCausalLM": Architecture(
+        "gemma", "Gemma3ForCausalLM", {"tie_word_embeddings": True, "qk_norm": True}
+    ),
     "GraniteForCausalLM": Architecture("granite", "GraniteForCausalLM"),
     "Mamba2ForCausalLM": Architecture("mamba2", "Mamba2ForCausalLM"),
     "BambaForCausalLM": Architecture("bamba", "BambaForCausalLM"),
