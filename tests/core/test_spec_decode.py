@@ -201,7 +201,7 @@ def test_the_budget_cuts_drafts_before_the_real_token():
             assert out.num_scheduled_tokens[rid] == 1 + len(out.scheduled_spec_decode_tokens.get(rid, []))
 
 
-def test_large_batches_and_grammars_get_no_drafts():
+def test_large_batches_get_no_drafts_and_grammars_cut_them():
     config = SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=2)
     s, w, checker = make_engine(*LAYOUTS["full"](), speculative_config=config)
     s.proposer = Oracle(2, 2)
@@ -213,14 +213,22 @@ def test_large_batches_and_grammars_get_no_drafts():
     step(s, w, checker)
     assert all(r.spec_token_ids for r in s.running)
 
-    class AnyToken:  # a grammar that allows everything: the worker would still need a mask per draft
+    class FirstDraftOnly:  # a grammar that would refuse every draft after the first
+        takes_drafts = True
+
         def accept(self, token_id: int) -> bool:
             return True
 
         def is_terminated(self) -> bool:
             return False
 
-    s.requests["r0"].grammar = AnyToken()
+        def validate(self, token_ids: list[int]) -> int:
+            return min(1, len(token_ids))
+
+    s.requests["r0"].grammar = FirstDraftOnly()
+    step(s, w, checker)
+    assert len(s.requests["r0"].spec_token_ids) == 1 and len(s.requests["r1"].spec_token_ids) == 2
+    FirstDraftOnly.takes_drafts = False  # e.g. a reasoning gate still in the thinking
     step(s, w, checker)
     assert not s.requests["r0"].spec_token_ids and s.requests["r1"].spec_token_ids
 

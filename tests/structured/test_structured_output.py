@@ -281,3 +281,28 @@ def test_open_output_may_start_thinking_and_is_then_free(thinking_llm):
     (out,) = thinking_llm.generate(["hello"], params(so, logit_bias={8: 100.0}, max_tokens=6))
     # the start marker is allowed beside the grammar's first tokens; inside the thinking nothing binds
     assert out.outputs[0].token_ids == [8] * 6 and out.outputs[0].finish_reason == "length"
+
+
+def test_speculative_drafts_under_a_grammar(folder, llm):
+    """n-gram drafts for requests with a grammar: the drafts are cut where the grammar would refuse
+    them and every verified position gets its own mask, so greedy output is token for token plain
+    decoding's, every answer still follows its grammar, and drafts were proposed and accepted (a
+    repetitive regex makes the answers repeat themselves)."""
+    spec = LLM(
+        folder,
+        dtype="float32",
+        max_model_len=512,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1},
+    )
+    kinds = {**KINDS, "repeat": SO(regex=r"(na ){12}batman")}
+    prompts = [f"Answer {k}: " for k in kinds]
+    plist = [params(so) for so in kinds.values()]
+    want = llm.generate(prompts, plist, use_tqdm=False)
+    got = spec.generate(prompts, plist, use_tqdm=False)
+    for kind, a, b in zip(kinds, want, got, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, kind
+        if kind != "repeat":
+            check(kind, b.outputs[0].text)
+    assert re.fullmatch(r"(na ){12}batman", got[-1].outputs[0].text)
+    stats = spec.get_metrics()["spec_decoding"]
+    assert stats["num_drafts"] > 0 and stats["num_accepted_tokens"] > 0, stats

@@ -53,6 +53,11 @@ class GrammarState(Protocol):
 
     def is_terminated(self) -> bool: ...
 
+    def validate(self, token_ids: list[int]) -> int:
+        """How many leading speculative drafts the grammar accepts, without advancing (drafts are cut
+        there)."""
+        ...
+
 
 class Request:
     __slots__ = (

@@ -127,7 +127,10 @@ class StructuredOutputManager:
     def bitmasks(
         self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
     ) -> dict[str, np.ndarray]:
-        """req id -> its mask row, for the scheduled requests with a grammar that sample this step."""
+        """req id -> its mask row, for the scheduled requests with a grammar that sample this step; a
+        request with speculative drafts gets one row per verified position ([drafts + 1, words]): the
+        grammar advanced through its drafts one by one, then rolled back (the scheduler advances it by
+        the tokens the step accepts)."""
         rows: list[tuple[str, Request]] = []
         for rid, num in scheduler_output.num_scheduled_tokens.items():
             req = requests.get(rid)
@@ -139,10 +142,35 @@ class StructuredOutputManager:
                 rows.append((rid, req))
         if not rows:
             return {}
-        masks = np.zeros((len(rows), bitmask_words(self.vocab_size)), dtype=np.int32)
-        for i, (_, req) in enumerate(rows):
+        words = bitmask_words(self.vocab_size)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        masks = np.zeros((len(rows), words), dtype=np.int32)
+        out: dict[str, np.ndarray] = {}
+        for i, (rid, req) in enumerate(rows):
+            if drafts and drafts.get(rid):
+                out[rid] = draft_masks(req.grammar, drafts[rid], words)
+                continue
             req.grammar.fill_bitmask(masks, i)
-        return {rid: masks[i] for i, (rid, _) in enumerate(rows)}
+            out[rid] = masks[i]
+        return out
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def draft_masks(grammar: Any, drafts: list[int], words: int) -> np.ndarray:
+    """Masks for a request's position and each of its drafts: row j is the grammar after drafts[:j].
+    A draft the grammar refuses (the scheduler checked them, so only if its state moved) leaves the
+    later rows equal to its own: its row forbids it, so verification rejects it and all after it."""
+    masks = np.zeros((len(drafts) + 1, words), dtype=np.int32)
+    grammar.fill_bitmask(masks, 0)
+    accepted = 0
+    for j, token in enumerate(drafts):
+        if not grammar.accept(token):
+            masks[j + 1 :] = masks[j]
+            break
+        accepted += 1
+        grammar.fill_bitmask(masks, j + 1)
+    if accepted:
+        grammar.rollback(accepted)
+    return masks

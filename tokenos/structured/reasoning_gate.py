@@ -77,6 +77,11 @@ class ReasoningGate:
         self._state = _ACTIVE
         return self._m.accept(token_id)
 
+    @property
+    def takes_drafts(self) -> bool:
+        """Speculative drafts only once the grammar is active: thinking tokens do not roll back."""
+        return self._state == _ACTIVE
+
     def rollback(self, num_tokens: int) -> None:
         if self._state != _ACTIVE:
             raise NotImplementedError("rolling back reasoning tokens is not supported")

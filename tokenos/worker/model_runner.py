@@ -16,7 +16,7 @@ once, from the classes the engine was given, and told the batch's changes every 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 import numpy as np
 import torch
@@ -288,11 +288,8 @@ class ModelRunner:
         index = np.concatenate([np.arange(e - w, e) for e, w in zip(ends, width, strict=True)])
         logits = self.model.compute_logits(hidden[torch.from_numpy(index)])
         firsts = np.cumsum(width) - width  # each request's first logits row
-        if grammar_masks:  # requests with a grammar get no drafts: one virtual row each
-            virtual: list[str | None] = [None] * len(index)
-            for row, rid in enumerate(req_ids):
-                virtual[int(firsts[row])] = rid
-            apply_grammar_masks(logits, virtual, grammar_masks)
+        if grammar_masks:
+            apply_grammar_masks(logits, *_draft_mask_rows(req_ids, firsts, width, grammar_masks))
         discard = np.flatnonzero(~sample_mask).tolist()
         tokens, logprobs, failed = self._spec_sample(logits, firsts, drafts, req_ids, discard)
         sampled_lists: list[list[int]] = []
@@ -446,9 +443,26 @@ def _row_generators(sampling, rows: Iterable[int]) -> dict[int, torch.Generator]
     return {row: g for row in rows if (g := sampling.generators[row]) is not None}
 
 
-def apply_grammar_masks(
-    logits: torch.Tensor, req_ids: Sequence[str | None], masks: dict[str, np.ndarray]
-) -> None:
+def _draft_mask_rows(
+    req_ids: Sequence[str], firsts: np.ndarray, width: np.ndarray, masks: dict[str, np.ndarray]
+) -> tuple[list[tuple[str, int] | None], dict[tuple[str, int], np.ndarray]]:
+    """Each logits row of a verification step keyed (request, position), and each key's mask: a request
+    with drafts has a mask row per position ([drafts + 1, words], structured/manager.draft_masks), one
+    without a single row."""
+    keys: list[tuple[str, int] | None] = [None] * int(width.sum())
+    rows: dict[tuple[str, int], np.ndarray] = {}
+    for row, rid in enumerate(req_ids):
+        mask = masks.get(rid)
+        if mask is None:
+            continue
+        per_position = mask if mask.ndim == 2 else mask[None]
+        for j in range(int(width[row])):
+            keys[int(firsts[row]) + j] = (rid, j)
+            rows[rid, j] = per_position[min(j, len(per_position) - 1)]
+    return keys, rows
+
+
+def apply_grammar_masks(logits: torch.Tensor, req_ids: Sequence[Hashable | None], masks: dict) -> None:
     """Set to -inf, in place, every logit a request's grammar forbids (row r of ``logits`` is req_ids[r])."""
     rows = [i for i, rid in enumerate(req_ids) if rid in masks]
     if not rows:

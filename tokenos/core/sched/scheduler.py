@@ -381,13 +381,24 @@ class Scheduler:
         propose = self.proposer.propose
         for req in running:
             tokens = req.all_token_ids
-            # Only a request whose every known token but the last is computed is decoding; a grammar
-            # would need its mask at every draft position, which the worker does not build.
-            if req.num_computed_tokens != len(tokens) - 1 or req.grammar is not None:
+            # Only a request whose every known token but the last is computed is decoding.
+            if req.num_computed_tokens != len(tokens) - 1:
                 req.spec_token_ids = []
                 continue
             # Room for the drafts and the one token after them within max_tokens and max_model_len.
-            req.spec_token_ids = propose(req, req.max_total_tokens - len(tokens) - 1)
+            drafts = propose(req, req.max_total_tokens - len(tokens) - 1)
+            if drafts and req.grammar is not None:
+                drafts = self._grammar_drafts(req.grammar, drafts)
+            req.spec_token_ids = drafts
+
+    @staticmethod
+    def _grammar_drafts(grammar, drafts: list[int]) -> list[int]:
+        """The drafts' prefix the grammar accepts (checked without advancing it): a later draft could
+        only be rejected. None where the grammar cannot roll drafts back (a reasoning gate still in the
+        thinking), since the step's masks advance it through them and back (structured/manager.py)."""
+        if not getattr(grammar, "takes_drafts", True):
+            return []
+        return drafts[: grammar.validate(drafts)]
 
     def _fail(self, req: Request, error: str) -> EngineCoreOutput:
         """End a request the worker failed alone (its step ran, so its pages are valid and kept)."""
