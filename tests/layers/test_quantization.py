@@ -137,7 +137,7 @@ def test_gguf_blocks_map_exactly(qtype):
     assert np.array_equal(t.dequantize().numpy(), dequantize(raw, kind))
     # And through the packed layout and the kernel's own dequantization.
     assert np.array_equal(QuantizedWeight(t).dequantize().numpy(), dequantize(raw, kind))
-    assert gguf_quantized(raw, int(GGMLQuantizationType.Q6_K)) is None
+    assert gguf_quantized(raw, int(GGMLQuantizationType.Q2_K)) is None  # not held: dequantized
 
 
 def test_fused_linear_takes_quantized_shards():
@@ -200,3 +200,27 @@ def test_tied_head_and_embedding_share_one_quantized_table():
     assert torch.equal(embed(ids), t.dequantize()[ids].to(embed.dtype))
     hidden = torch.randn(2, 32)
     assert torch.allclose(head(hidden), F.linear(hidden, t.dequantize()), atol=1e-4)
+
+
+@pytest.mark.parametrize(("qtype", "bits", "group"), [("Q4_K", 4, 32), ("Q5_K", 8, 32), ("Q6_K", 8, 16)])
+def test_gguf_k_quants_map_up_to_fp16_scales(qtype, bits, group):
+    """K-quant super-blocks (random bytes with sane fp16 scales: gguf cannot quantize to them) against
+    gguf's own dequantization: equal up to the one fp16 rounding of each sub-block's scale and zero."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from tokenos.model_loader.gguf_loader import _KEPT_TYPES
+
+    kind = GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(1)
+    rows, supers = 40, 2
+    blocks = rng.integers(0, 256, (rows, supers, _KEPT_TYPES[int(kind)]), dtype=np.uint8)
+    for field in [slice(-2, None)] if qtype == "Q6_K" else [slice(0, 2), slice(2, 4)]:
+        scale = (rng.random((rows, supers)) * 0.02 + 1e-3).astype(np.float16)
+        blocks[..., field] = scale.view(np.uint8).reshape(rows, supers, 2)
+    raw = blocks.reshape(rows, -1)
+    t = gguf_quantized(raw, int(kind))
+    assert t is not None and (t.bits, t.group) == (bits, group)
+    want = dequantize(raw, kind)
+    got = QuantizedWeight(t).dequantize().numpy()
+    assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()

@@ -5,10 +5,13 @@ architecture only, permutes the rows of q and k so that rotary pairs are interle
 rename back to Hugging Face names and undo that permutation, so the model code sees exactly
 what it would see from a safetensors folder.
 
-Quantized blocks stay quantized where our packed layout holds them exactly (`gguf_quantized`): Q8_0 is
-int8 with one fp16 scale per 32, Q4_0 is int4 with scale d and zero -8d, Q4_1 int4 with scale d and
-zero m. Those tensors are yielded as `QuantizedTensor`s; every other block type (the K-quants, IQ*) is
-dequantized to float32, and the load says so in one log line.
+Quantized blocks stay quantized where our packed layout holds them (`gguf_quantized`): Q8_0 is int8 with
+one fp16 scale per 32, Q4_0 is int4 with scale d and zero -8d, Q4_1 int4 with scale d and zero m (all
+exact). The K-quants' sub-blocks map with their two-level scales multiplied out and rounded once to fp16
+(relative error 2^-11 of a scale): Q4_K is int4 per 32 with scale d * sc and zero -dmin * m, Q5_K the
+same in int8 (its values are 5 bits), Q6_K int8 per 16 with scale d * scale and values q - 32. Those
+tensors are yielded as `QuantizedTensor`s; every other block type (IQ*, Q2_K, Q3_K, ...) is dequantized
+to float32, and the load says so in one log line.
 """
 
 from __future__ import annotations
@@ -118,9 +121,10 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weight.shape)
 
 
-# ggml type -> (bits, bytes per 32-weight block) of the block types held exactly by QuantizedTensor.
-_Q8_0, _Q4_0, _Q4_1 = 8, 2, 3
-_KEPT_TYPES = {_Q8_0: 34, _Q4_0: 18, _Q4_1: 20}
+# ggml type -> bytes per block of the block types QuantizedTensor holds (32 weights; K-quants 256).
+_Q8_0, _Q4_0, _Q4_1, _Q4_K, _Q5_K, _Q6_K = 8, 2, 3, 12, 13, 14
+_KEPT_TYPES = {_Q8_0: 34, _Q4_0: 18, _Q4_1: 20, _Q4_K: 144, _Q5_K: 176, _Q6_K: 210}
+_QK_K = 256
 
 
 def gguf_quantized(raw: np.ndarray, ggml_type: int) -> QuantizedTensor | None:
@@ -130,6 +134,8 @@ def gguf_quantized(raw: np.ndarray, ggml_type: int) -> QuantizedTensor | None:
     if block is None or raw.ndim != 2:
         return None
     n = raw.shape[0]
+    if ggml_type in (_Q4_K, _Q5_K, _Q6_K):
+        return _k_quantized(np.ascontiguousarray(raw).reshape(-1, block), n, ggml_type)
     blocks = np.ascontiguousarray(raw).reshape(n, -1, block)
     d = torch.from_numpy(blocks[..., :2].copy().view(np.float16).reshape(n, -1))
     if ggml_type == _Q8_0:
@@ -143,6 +149,42 @@ def gguf_quantized(raw: np.ndarray, ggml_type: int) -> QuantizedTensor | None:
         m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).reshape(n, -1))
         return QuantizedTensor(q, d, m, 4, 32)
     return QuantizedTensor(q, d, d * -8, 4, 32)
+
+
+def _k_quantized(blocks: np.ndarray, n: int, ggml_type: int) -> QuantizedTensor:
+    """K-quant super-blocks ([blocks, bytes]) as a `QuantizedTensor` of ``n`` rows, unpacked as
+    ``gguf.quants`` dequantizes them, with each sub-block's scale (and zero) multiplied out."""
+    from gguf.quants import Q4_K
+
+    nb = blocks.shape[0]
+    if ggml_type == _Q6_K:
+        ql, qh = blocks[:, : _QK_K // 2], blocks[:, _QK_K // 2 : _QK_K // 2 + _QK_K // 4]
+        scales = blocks[:, _QK_K // 2 + _QK_K // 4 : -2].view(np.int8).astype(np.float32)
+        d = blocks[:, -2:].copy().view(np.float16).astype(np.float32)
+        lo = (ql.reshape(nb, -1, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+        hi = (qh.reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 3
+        q = (lo.reshape(nb, -1, 32) | (hi.reshape(nb, -1, 32) << 4)).astype(np.int8) - np.int8(32)
+        s = (d * scales).astype(np.float16).reshape(n, -1)
+        return QuantizedTensor(torch.from_numpy(q.reshape(n, -1)), torch.from_numpy(s), None, 8, 16)
+    d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
+    if ggml_type == _Q4_K:
+        qs = blocks[:, 16:]
+        q = ((qs.reshape(nb, -1, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(
+            nb, -1
+        )
+        bits = 4
+    else:
+        qh, qs = blocks[:, 16 : 16 + _QK_K // 8], blocks[:, 16 + _QK_K // 8 :]
+        lo = (qs.reshape(nb, -1, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+        hi = (qh.reshape(nb, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
+        q = (lo.reshape(nb, -1, 32) | (hi.reshape(nb, -1, 32) << 4)).astype(np.int8).reshape(nb, -1)
+        bits = 8
+    scales = (d * sc.astype(np.float32)).astype(np.float16).reshape(n, -1)
+    zeros = (-(dmin * m.astype(np.float32))).astype(np.float16).reshape(n, -1)
+    q = torch.from_numpy(np.ascontiguousarray(q).reshape(n, -1))
+    return QuantizedTensor(q, torch.from_numpy(scales), torch.from_numpy(zeros), bits, 32)
 
 
 def iter_gguf_weights(
@@ -177,7 +219,10 @@ def iter_gguf_weights(
     reader.close()
     if dequantized:
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(dequantized.items()))
-        logger.info("GGUF: dequantized %s tensor(s) at load (kept quantized: Q8_0, Q4_0, Q4_1)", kinds)
+        logger.info(
+            "GGUF: dequantized %s tensor(s) at load (kept quantized: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)",
+            kinds,
+        )
 
 
 _FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16
