@@ -153,6 +153,20 @@ def test_fused_linear_takes_quantized_shards():
     assert torch.allclose(layer(x), want, atol=1e-4)
 
 
+def test_fused_shards_quantized_differently_meet_exactly():
+    """A Q4_K_M-style layer: int4 per 32 for q / k, int8 per 16 for v, stacked exactly as int8 per 16."""
+    torch.manual_seed(0)
+    layer = QKVLinear(64, 16, 4, 2, bias=False)
+    shards = {"q": quantize(torch.randn(64, 64), 4, 32), "k": quantize(torch.randn(32, 64), 4, 32)}
+    shards["v"] = quantize(torch.randn(32, 64), 8, 16)
+    for name, t in shards.items():
+        layer.weight.weight_loader(layer.weight, t, name)
+    layer.pack()
+    assert (layer.quantized.bits, layer.quantized.group) == (8, 16)
+    want = torch.cat([shards[s].dequantize() for s in ("q", "k", "v")])
+    assert torch.equal(layer.quantized.dequantize(), want)
+
+
 def test_fused_linear_with_a_dense_shard_runs_dense():
     torch.manual_seed(0)
     layer = QKVLinear(64, 16, 4, 2, bias=False)

@@ -15,6 +15,7 @@ kernel is tested against, slow but exact.
 from __future__ import annotations
 
 import ctypes
+import math
 from dataclasses import dataclass
 
 import torch
@@ -70,17 +71,26 @@ class QuantizedTensor:
 
     @staticmethod
     def cat(parts: list[QuantizedTensor]) -> QuantizedTensor:
-        """Stack along rows (fused q/k/v, gate/up); every part must share bits and group size."""
-        first = parts[0]
-        if any(p.bits != first.bits or p.group != first.group for p in parts):
-            raise ValueError("fused shards are quantized differently (bits or group size)")
-        if any((p.zeros is None) != (first.zeros is None) for p in parts):
+        """Stack along rows (fused q/k/v, gate/up). Shards quantized differently (a GGUF Q4_K_M file's
+        Q4_K q / k beside a Q6_K v) meet exactly in the wider form: int4 values held as int8, groups
+        split to the common divisor (each scale and zero repeated)."""
+        bits = max(p.bits for p in parts)
+        group = math.gcd(*(p.group for p in parts))
+        parts = [p.regrouped(bits, group) for p in parts]
+        if any(p.zeros is not None for p in parts):
             parts = [p if p.zeros is not None else _with_zeros(p) for p in parts]
         zeros = None if parts[0].zeros is None else torch.cat([p.zeros.float() for p in parts])
         q = torch.cat([p.q for p in parts])
-        return QuantizedTensor(
-            q, torch.cat([p.scales.float() for p in parts]), zeros, first.bits, first.group
-        )
+        return QuantizedTensor(q, torch.cat([p.scales.float() for p in parts]), zeros, bits, group)
+
+    def regrouped(self, bits: int, group: int) -> QuantizedTensor:
+        """The same weights in ``bits`` >= self.bits and a ``group`` dividing self.group (exact)."""
+        if (bits, group) == (self.bits, self.group):
+            return self
+        q = self.q.to(torch.int8) if bits == 8 and self.bits == 4 else self.q
+        repeat = self.group // group
+        zeros = None if self.zeros is None else self.zeros.repeat_interleave(repeat, dim=1)
+        return QuantizedTensor(q, self.scales.repeat_interleave(repeat, dim=1), zeros, bits, group)
 
 
 def _with_zeros(t: QuantizedTensor) -> QuantizedTensor:
