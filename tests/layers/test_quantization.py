@@ -238,3 +238,16 @@ def test_gguf_k_quants_map_up_to_fp16_scales(qtype, bits, group):
     want = dequantize(raw, kind)
     got = QuantizedWeight(t).dequantize().numpy()
     assert np.abs(got - want).max() <= 1e-3 * np.abs(want).max()
+
+
+def test_a_multiplier_folded_at_load_scales_a_quantized_weight():
+    """Granite / Falcon-H1 fold muP multipliers into weights at load (`scale_on_load`): a quantized
+    checkpoint tensor takes them through its scales and zeros."""
+    from tokenos.layers.weights import scale_on_load
+
+    layer = Linear(64, 32)
+    scale_on_load(layer.weight, 0.5)
+    t = quantize(torch.randn(32, 64), 4)
+    layer.weight.weight_loader(layer.weight, t)
+    layer.pack()
+    assert torch.allclose(layer.quantized.dequantize(), 0.5 * t.dequantize(), atol=1e-3)

@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from tokenos.layers.quantization import QuantizedTensor
+
 WeightLoader = Callable[..., None]
 # Checkpoint module name -> (our fused module name, shard id), e.g. "q_proj": ("qkv_proj", "q").
 PackedMapping = dict[str, tuple[str, str | int]]
@@ -58,7 +60,8 @@ def scale_on_load(
 
     def loader(target: nn.Parameter, loaded: torch.Tensor, *shard: str | int) -> None:
         if shard_id is None or shard == (shard_id,):
-            loaded = loaded.float() * factor
+            # A quantized checkpoint tensor (GPTQ / AWQ / GGUF) scales through its scales and zeros.
+            loaded = loaded.scaled(factor) if isinstance(loaded, QuantizedTensor) else loaded.float() * factor
         inner(target, loaded, *shard)
 
     param.weight_loader = loader
