@@ -117,3 +117,28 @@ def test_greedy_parity_n_gt_1(tmp_path, family):
     outputs = DENSE.run(llm, prompts, n=3)
     assert all(len(out.outputs) == 3 for out in outputs)
     DENSE.check(outputs, prompts, ref)  # greedy: every one of the n completions is the reference's
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_online_quantization_quantizes_the_experts(method):
+    """``--quantization int8 / int4`` quantizes each expert like any linear: the grouped computation on
+    the quantized experts equals the per-token reference on their dequantized weights."""
+    from tokenos.layers.quantization import quantize
+
+    torch.manual_seed(0)
+    experts = StackedExperts(4, 32, 16, torch.float32)
+    experts.gate_up_proj.weight.data.normal_()
+    experts.down_proj.weight.data.normal_()
+    bits = 8 if method == "int8" else 4
+    gate_up = torch.stack([quantize(w, bits).dequantize() for w in experts.gate_up_proj.weight])
+    down = torch.stack([quantize(w, bits).dequantize() for w in experts.down_proj.weight])
+    experts.pack(method)
+    assert experts.gate_up_proj.weight is None and len(experts.quantized["down_proj"]) == 4
+    x = torch.randn(9, 32)
+    weights, chosen = route(torch.randn(9, 4), 2, norm_topk_prob=True, dtype=x.dtype)
+    torch.testing.assert_close(
+        experts(x, chosen, weights),
+        per_token_reference(x, chosen, weights, gate_up, down),
+        atol=1e-4,
+        rtol=1e-4,
+    )

@@ -289,8 +289,12 @@ def weight_bytes(model: torch.nn.Module) -> tuple[int, int, dict[str, int]]:
     total = quantized = 0
     kinds: dict[str, int] = {}
     for module in model.modules():
-        held = [getattr(module, "quantized", None), getattr(getattr(module, "packed", None), "weight", None)]
-        held += list(module.parameters(recurse=False))
+        own = getattr(module, "quantized", None)
+        if isinstance(own, dict):  # per-expert weights: name -> [expert] -> QuantizedWeight
+            held = [w for weights in own.values() for w in weights]
+        else:
+            held = [own]
+        held += [getattr(getattr(module, "packed", None), "weight", None), *module.parameters(recurse=False)]
         for t in held:
             if t is None or id(t) in seen:
                 continue

@@ -26,6 +26,7 @@ from tokenos.layers.activation import SiluAndMul
 from tokenos.layers.embedding import VocabEmbedding
 from tokenos.layers.layernorm import RMSNorm
 from tokenos.layers.linear import Linear, MergedLinear, _upcast_linear
+from tokenos.layers.quantization import ONLINE_METHODS, QuantizedWeight, quantize
 from tokenos.layers.rotary import RotaryEmbedding
 from tokenos.layers.weights import PackedMapping, WeightHolder, copy_rows, default_weight_loader
 from tokenos.models.base import FUSED_QKV_GATE_UP, CausalLM, DecoderStack
@@ -66,6 +67,8 @@ class StackedExperts(nn.Module):
         self.down_proj = WeightHolder((num_experts, hidden_size, intermediate_size), None, dtype)
         gate_up, down = self.gate_up_proj.weight, self.down_proj.weight
         gate_up.weight_loader, down.weight_loader = self._load_gate_up, self._load_down
+        # Per expert, once quantized at load (`pack`): name -> [expert] -> its weight.
+        self.quantized: dict[str, list[QuantizedWeight]] = {}
         # Every slot must be filled: `missing_weights` compares the shards loaded with these.
         gate_up.shard_ids = tuple((e, half) for e in range(num_experts) for half in (0, 1))
         down.shard_ids = tuple(range(num_experts))
@@ -92,8 +95,8 @@ class StackedExperts(nn.Module):
             if count == 0:
                 continue
             h = rows[start : start + count]
-            h = self.act(_expert_linear(h, self.gate_up_proj.weight[expert]))
-            outs.append(_expert_linear(h, self.down_proj.weight[expert]))
+            h = self.act(self._linear(h, "gate_up_proj", expert))
+            outs.append(self._linear(h, "down_proj", expert))
             start += count
         if not outs:
             return torch.zeros_like(x)
@@ -104,6 +107,24 @@ class StackedExperts(nn.Module):
     def act(x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def _linear(self, h: torch.Tensor, name: str, expert: int) -> torch.Tensor:
+        quantized = self.quantized.get(name)
+        if quantized is not None:
+            return quantized[expert](h)
+        return _expert_linear(h, getattr(self, name).weight[expert])
+
+    def pack(self, quantization: str | None = None) -> None:
+        """With online int8 / int4 (``--quantization``), every expert's weights quantized like the other
+        linears' (rows are independent, so quantizing an expert's fused gate|up is quantizing each), the
+        stacked dense copies dropped; otherwise nothing (the experts run ``F.linear``)."""
+        if quantization not in ONLINE_METHODS or self.quantized:
+            return
+        bits = 8 if quantization == "int8" else 4
+        for name in ("gate_up_proj", "down_proj"):
+            holder = getattr(self, name)
+            self.quantized[name] = [QuantizedWeight(quantize(w, bits)) for w in holder.weight.detach()]
+            holder.weight = None
 
 
 def route(

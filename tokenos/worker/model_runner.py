@@ -101,7 +101,7 @@ class ModelRunner:
         kinds = [
             name
             for name, attr in (("quantized", "quantized"), ("oneDNN packed", "packed"))
-            if any(getattr(m, attr, None) is not None for m in modules)
+            if any(getattr(m, attr, None) for m in modules)  # a dict of experts: empty until quantized
         ]
         return " + ".join(kinds) or "F.linear"
 
