@@ -57,16 +57,23 @@ class DecoderAttention(nn.Module):
         return q, k
 
 
-class DecoderMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))``, gate and up fused: Llama's MLP, and the shared or dense experts of
+    the MoE families."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size])
-        self.down_proj = Linear(size, config.hidden_size)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = Linear(intermediate_size, hidden_size)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderMLP(GatedMLP):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config.hidden_size, config.intermediate_size)
 
 
 class DecoderLayer(nn.Module):

@@ -14,17 +14,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenos.layers.activation import SiluAndMul
 from tokenos.layers.attention import Attention
 from tokenos.layers.embedding import VocabEmbedding
 from tokenos.layers.gated_delta import GatedDeltaDims, GatedDeltaNet
 from tokenos.layers.layernorm import RMSNorm
-from tokenos.layers.linear import Linear, MergedLinear, QKVLinear
+from tokenos.layers.linear import Linear, QKVLinear
 from tokenos.layers.metadata import ForwardBatch
 from tokenos.layers.rotary import Rope, RotaryEmbedding
 from tokenos.models.base import FUSED_QKV_GATE_UP, CausalLM, DecoderStack
 from tokenos.models.config import ModelConfig
 from tokenos.models.hybrid import HybridDecoderLayer, hf_attrs, partial_rotary
+from tokenos.models.llama import GatedMLP
 
 
 class OffsetRMSNorm(RMSNorm):
@@ -89,17 +89,6 @@ class Qwen3NextAttention(nn.Module):
         return self.o_proj(out * torch.sigmoid(gate.reshape(n, -1)))
 
 
-class Qwen3NextMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = Linear(intermediate_size, hidden_size)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class Qwen3NextSparseMoe(nn.Module):
     """Top-k softmax routing over ``experts`` plus ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``."""
 
@@ -111,9 +100,9 @@ class Qwen3NextSparseMoe(nn.Module):
         hidden, num_experts = config.hidden_size, int(cfg["num_experts"])
         self.gate = Linear(hidden, num_experts)
         self.experts = nn.ModuleList(
-            Qwen3NextMLP(hidden, int(cfg["moe_intermediate_size"])) for _ in range(num_experts)
+            GatedMLP(hidden, int(cfg["moe_intermediate_size"])) for _ in range(num_experts)
         )
-        self.shared_expert = Qwen3NextMLP(hidden, int(cfg["shared_expert_intermediate_size"]))
+        self.shared_expert = GatedMLP(hidden, int(cfg["shared_expert_intermediate_size"]))
         self.shared_expert_gate = Linear(hidden, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,7 +144,7 @@ class Qwen3NextDecoderLayer(HybridDecoderLayer):
         if uses_moe(config, layer):
             self.mlp = Qwen3NextSparseMoe(config)
         else:
-            self.mlp = Qwen3NextMLP(config.hidden_size, config.intermediate_size)
+            self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
 
 
 class Qwen3NextModel(DecoderStack):

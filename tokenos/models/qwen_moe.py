@@ -22,30 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenos.layers.activation import SiluAndMul
 from tokenos.layers.embedding import VocabEmbedding
 from tokenos.layers.layernorm import RMSNorm
-from tokenos.layers.linear import Linear, MergedLinear, _upcast_linear
+from tokenos.layers.linear import Linear, _upcast_linear
 from tokenos.layers.quantization import ONLINE_METHODS, QuantizedWeight, quantize
 from tokenos.layers.rotary import RotaryEmbedding
 from tokenos.layers.weights import PackedMapping, WeightHolder, copy_rows, default_weight_loader
 from tokenos.models.base import FUSED_QKV_GATE_UP, CausalLM, DecoderStack
 from tokenos.models.config import ModelConfig
-from tokenos.models.llama import DecoderAttention, DecoderLayer
+from tokenos.models.llama import DecoderAttention, DecoderLayer, GatedMLP
 from tokenos.platform import native_bf16_supported
-
-
-class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` of a given width: the dense layers and Qwen2-MoE's shared expert."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = Linear(intermediate_size, hidden_size)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 def _expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
