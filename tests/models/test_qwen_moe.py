@@ -99,21 +99,14 @@ def test_missing_expert_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
-def test_greedy_parity_chunked_prefill_mixed_batch(tmp_path, family):
+def test_greedy_parity_chunked_prefill_mixed_batch_and_n_samples(tmp_path, family):
     folder = str(tmp_path / family)
     ref = save_tiny(family, folder, **LLM_SHAPE)
     # Several prompts at once, each over several 8-token chunks: prefill chunks and decodes share steps.
     prompts = DENSE.prompts(4, 5, 40, seed=21)
     llm = make_llm(folder, block_size=16, max_num_batched_tokens=8)
     DENSE.check(DENSE.run(llm, prompts), prompts, ref)
-
-
-@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
-def test_greedy_parity_n_gt_1(tmp_path, family):
-    folder = str(tmp_path / family)
-    ref = save_tiny(family, folder, **LLM_SHAPE)
     prompts = DENSE.prompts(2, 6, 30, seed=5)
-    llm = make_llm(folder, block_size=16, max_num_batched_tokens=8)
     outputs = DENSE.run(llm, prompts, n=3)
     assert all(len(out.outputs) == 3 for out in outputs)
     DENSE.check(outputs, prompts, ref)  # greedy: every one of the n completions is the reference's
