@@ -31,5 +31,9 @@ def test_reports_both_decode_step_times(tmp_path):
         ]
     )
     result = structured.run(args)
-    assert result["unconstrained_decode_step_ms"] > 0 and result["constrained_decode_step_ms"] > 0
+    # Both runs happened; their figures are numbers. Not their sign: a decode step is the difference of
+    # two walls, which noise can invert at 4 tokens (speed is the benchmark's to report, not a test's).
+    assert result["unconstrained_wall_s"] > 0 and result["constrained_wall_s"] > 0
+    for key in ("unconstrained_decode_step_ms", "constrained_decode_step_ms", "mask_cost_pct"):
+        assert isinstance(result[key], float), key
     assert set(result) >= {"unconstrained_wall_s", "constrained_wall_s", "mask_cost_pct"}

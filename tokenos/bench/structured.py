@@ -62,8 +62,10 @@ def run(args: argparse.Namespace) -> dict:
         full = _wall(llm, prompts, params(args.output_len, grammar))
         result[f"{name}_wall_s"] = round(full, 2)
         result[f"{name}_decode_step_ms"] = round(1e3 * (full - first) / max(args.output_len - 1, 1), 2)
-    result["mask_cost_pct"] = round(
-        100 * (result["constrained_decode_step_ms"] / result["unconstrained_decode_step_ms"] - 1), 1
+    base = result["unconstrained_decode_step_ms"]
+    # NaN where noise left no measurable unconstrained step (a difference of two walls).
+    result["mask_cost_pct"] = (
+        round(100 * (result["constrained_decode_step_ms"] / base - 1), 1) if base > 0 else float("nan")
     )
     return result
 
