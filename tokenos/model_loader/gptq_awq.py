@@ -41,11 +41,8 @@ _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 class PrequantizedConfig:
     """What unpacking needs from ``quantization_config``."""
 
-    method: str  # "gptq" or "awq"
-    bits: int
+    method: str  # "gptq" or "awq" (4 bits: parse_quantization_config refuses others)
     group_size: int  # -1: one group per row
-    desc_act: bool
-    sym: bool
     zero_offset: int  # added to the stored zeros: 1 for GPTQ v1, else 0
 
     def group(self, k: int) -> int:
@@ -78,9 +75,8 @@ def _gptq_config(qc: dict[str, Any], group_size: int) -> PrequantizedConfig:
         raise ValueError(
             f"gptq checkpoint_format {fmt!r} is not supported; choose one of {', '.join(_GPTQ_FORMATS)}"
         )
-    return PrequantizedConfig(
-        "gptq", 4, group_size, bool(qc.get("desc_act", False)), bool(qc.get("sym", True)), _GPTQ_FORMATS[fmt]
-    )
+    # desc_act alone is harmless: only a permuted g_idx (checked per tensor) has no group-wise form.
+    return PrequantizedConfig("gptq", group_size, _GPTQ_FORMATS[fmt])
 
 
 def _awq_config(qc: dict[str, Any], group_size: int) -> PrequantizedConfig:
@@ -89,7 +85,7 @@ def _awq_config(qc: dict[str, Any], group_size: int) -> PrequantizedConfig:
         raise ValueError(f"awq version {version!r} is not supported; only the GEMM layout is")
     if not qc.get("zero_point", True):
         raise ValueError("awq checkpoints without zero points (zero_point=false) are not supported")
-    return PrequantizedConfig("awq", 4, group_size, False, False, 0)
+    return PrequantizedConfig("awq", group_size, 0)
 
 
 def read_quantization_config(folder: str) -> PrequantizedConfig:
