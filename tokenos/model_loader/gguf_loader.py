@@ -125,11 +125,13 @@ def unpermute_qk(weight: np.ndarray, n_head: int) -> np.ndarray:
 _Q8_0, _Q4_0, _Q4_1, _Q4_K, _Q5_K, _Q6_K = 8, 2, 3, 12, 13, 14
 _KEPT_TYPES = {_Q8_0: 34, _Q4_0: 18, _Q4_1: 20, _Q4_K: 144, _Q5_K: 176, _Q6_K: 210}
 _QK_K = 256
+_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16: not "dequantized" when converted
 
 
 def gguf_quantized(raw: np.ndarray, ggml_type: int) -> QuantizedTensor | None:
     """A 2-D GGUF tensor's raw rows ([N, bytes per row]) as a `QuantizedTensor`, or None for a block type
-    that is not held exactly (dequantize it instead). Exact: ``dequantize()`` equals gguf's own."""
+    it does not hold (dequantize it instead). ``dequantize()`` equals gguf's own exactly for Q8_0 / Q4_0 /
+    Q4_1, and up to one fp16 rounding of each sub-block's scale and zero for the K-quants."""
     block = _KEPT_TYPES.get(ggml_type)
     if block is None or raw.ndim != 2:
         return None
@@ -169,17 +171,15 @@ def _k_quantized(blocks: np.ndarray, n: int, ggml_type: int) -> QuantizedTensor:
     d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
     dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     sc, m = Q4_K.get_scale_min(blocks[:, 4:16].copy())
-    if ggml_type == _Q4_K:
-        qs = blocks[:, 16:]
-        q = ((qs.reshape(nb, -1, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(
-            nb, -1
-        )
-        bits = 4
-    else:
-        qh, qs = blocks[:, 16 : 16 + _QK_K // 8], blocks[:, 16 + _QK_K // 8 :]
-        lo = (qs.reshape(nb, -1, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15
+    # Q5_K's fifth bits come before its nibbles; each 32 bytes of nibbles hold two sub-blocks.
+    qh, qs = (None, blocks[:, 16:]) if ggml_type == _Q4_K else np.hsplit(blocks[:, 16:], [_QK_K // 8])
+    q = ((qs.reshape(nb, -1, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 15).reshape(
+        nb, -1, 32
+    )
+    bits = 4
+    if qh is not None:
         hi = (qh.reshape(nb, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1
-        q = (lo.reshape(nb, -1, 32) | (hi.reshape(nb, -1, 32) << 4)).astype(np.int8).reshape(nb, -1)
+        q = (q | (hi.reshape(nb, -1, 32) << 4)).astype(np.int8)
         bits = 8
     scales = (d * sc.astype(np.float32)).astype(np.float16).reshape(n, -1)
     zeros = (-(dmin * m.astype(np.float32))).astype(np.float16).reshape(n, -1)
@@ -223,9 +223,6 @@ def iter_gguf_weights(
             "GGUF: dequantized %s tensor(s) at load (kept quantized: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)",
             kinds,
         )
-
-
-_FLOAT_TYPES = (0, 1, 30)  # F32, F16, BF16
 
 
 def _type_name(ggml_type: int) -> str:
