@@ -12,12 +12,13 @@ and float32 alike. On a CPU without native bf16 a bf16 model's weights are packe
 arithmetic there is emulated and 5-30x slower): activations go in as float32, results are rounded to
 bf16. ``TOKENOS_PACK_LINEARS=0`` keeps the plain ``F.linear`` path (the reference).
 
-Quantization. A weight (or each shard of a fused one) may arrive as a `QuantizedTensor` (a GGUF Q4_0 /
-Q4_1 / Q8_0 tensor, a GPTQ / AWQ group): it is held aside, never dequantized, and ``pack()`` turns it
+Quantization. A weight (or each shard of a fused one) may arrive as a `QuantizedTensor` (GGUF blocks,
+GPTQ / AWQ groups): it is held aside, never dequantized, and ``pack()`` turns it
 into a `QuantizedWeight` the layer runs from (see `tokenos.layers.quantization`). ``pack("int8")`` /
-``pack("int4")`` quantize a dense weight at load instead. A fused layer whose shards came partly
-quantized and partly dense (a GGUF mixing block types) runs dense, with the quantized shards
-dequantized into it: exact, at the dense size.
+``pack("int4")`` quantize a dense weight at load instead. Shards quantized differently stack in the
+wider form (`QuantizedTensor.cat`); a fused layer whose shards came partly quantized and partly dense
+(a GGUF beside a block type it dequantizes) runs dense, with the quantized shards dequantized into it:
+exact, at the dense size.
 """
 
 from __future__ import annotations
@@ -98,11 +99,8 @@ class Linear(nn.Module):
         if self.packed is None and packing_enabled():
             self.packed = PackedWeight(self.weight.detach())
             self.weight = None
-            self._bias_to(self.packed.compute_dtype)
-
-    def _bias_to(self, dtype: torch.dtype) -> None:
-        if self.bias is not None and self.bias.dtype != dtype:
-            self.bias.data = self.bias.data.to(dtype)
+            if self.bias is not None and self.packed.compute_dtype != self.bias.dtype:
+                self.bias.data = self.bias.data.to(self.packed.compute_dtype)
 
     def _pack_quantized(self) -> None:
         shards = self.quantized_shards
@@ -150,8 +148,8 @@ class MergedLinear(Linear):
     """Several linears sharing an input, stacked along the output (shard_id = index)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        self.output_sizes = output_sizes
         super().__init__(input_size, sum(output_sizes), bias)
+        self.output_sizes = output_sizes
         for p in self.parameters():
             p.weight_loader = self.weight_loader
             p.shard_ids = self.shard_ids()
