@@ -14,8 +14,17 @@ HASH_ALGOS = ("sha256", "xxhash", "blake2b")
 # Weight quantization (--quantization): see tokenos.models.config.resolve_quantization.
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4", "gptq", "awq")
 MAMBA_CACHE_MODES = ("align", "none", "all")
-# --kv-cache-dtype: see tokenos.platform.KV_CACHE_DTYPES (the spec dtype each one means).
-KV_CACHE_DTYPE_CHOICES = ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3")
+# --kv-cache-dtype values (vLLM's names) -> the canonical dtype name KV-cache specs carry; "auto" is
+# the model's dtype (tokenos.platform.kv_cache_dtype_name). fp8 is vLLM's alias of fp8_e4m3 (OCP e4m3fn:
+# 4 exponent bits, 3 mantissa bits, finite range +-448, no infinities).
+KV_CACHE_DTYPES: dict[str, str | None] = {
+    "auto": None,
+    "bfloat16": "bfloat16",
+    "float32": "float32",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+}
+KV_CACHE_DTYPE_CHOICES = tuple(KV_CACHE_DTYPES)
 
 
 def _positive_int(name: str, value: object) -> None:

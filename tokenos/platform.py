@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from tokenos.config import KV_CACHE_DTYPES
+
 # Names users and configs write -> torch dtypes (the KV-cache specs use the canonical names only).
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -21,17 +23,6 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "half": torch.float16,
     # KV-cache pages only (--kv-cache-dtype fp8 / fp8_e4m3): no layer computes in it.
     "float8_e4m3fn": torch.float8_e4m3fn,
-}
-
-# --kv-cache-dtype values (vLLM's names) -> the canonical dtype name KV-cache specs carry; "auto" is
-# the model's dtype. fp8 is vLLM's alias of fp8_e4m3 (OCP e4m3fn: 4 exponent bits, 3 mantissa bits,
-# finite range +-448, no infinities).
-KV_CACHE_DTYPES: dict[str, str | None] = {
-    "auto": None,
-    "bfloat16": "bfloat16",
-    "float32": "float32",
-    "fp8": "float8_e4m3fn",
-    "fp8_e4m3": "float8_e4m3fn",
 }
 
 

@@ -124,12 +124,14 @@ class EngineCore:
         )
 
     def _log_kv_dtype(self, cache_dtype: str, layer_specs: dict, max_model_len: int) -> None:
-        """The attention pages' dtype and what it buys: the pool's tokens against bf16 pages in the same
-        bytes (sized again with bf16 attention specs, so hybrids' unified pages are accounted for)."""
+        """A chosen ``--kv-cache-dtype`` and what it buys: the pool's tokens against bf16 pages in the same
+        bytes (sized again with bf16 attention specs, so hybrids' unified pages are accounted for).
+        Nothing for "auto": the pages are the model's dtype and the ready line gives the tokens."""
+        if cache_dtype == "auto":
+            return
         attention = [s for s in layer_specs.values() if isinstance(s, AttentionSpec)]
         if not attention or attention[0].dtype == "bfloat16":
-            if cache_dtype != "auto":
-                logger.info("KV cache %s: %d tokens", cache_dtype, self.num_kv_tokens)
+            logger.info("KV cache %s: %d tokens", cache_dtype, self.num_kv_tokens)
             return
         bf16_specs = {
             name: dataclasses.replace(s, dtype="bfloat16") if isinstance(s, AttentionSpec) else s
