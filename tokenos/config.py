@@ -111,3 +111,28 @@ class CacheConfig:
             _positive_int("mamba_checkpoint_interval", self.mamba_checkpoint_interval)
         if not isinstance(self.mamba_checkpoint_at_end, bool):
             raise ValueError(f"mamba_checkpoint_at_end must be a bool, got {self.mamba_checkpoint_at_end!r}.")
+
+
+@dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's --enable-lora family): how many adapters one step may mix, their
+    largest rank, and how many idle adapters stay loaded in memory."""
+
+    # Distinct adapters in one step's batch; requests for others wait (head of line, never skipped).
+    max_loras: int = 1
+    # The largest rank an adapter may have; a bigger one is refused when it is loaded.
+    max_lora_rank: int = 16
+    # Adapters kept loaded while no live request uses them (least recently used leave first; a
+    # request for one reloads it from its folder). None: max_loras.
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("max_loras", self.max_loras)
+        _positive_int("max_lora_rank", self.max_lora_rank)
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        _positive_int("max_cpu_loras", self.max_cpu_loras)
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})."
+            )

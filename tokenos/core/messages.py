@@ -91,6 +91,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, kw_
     # n > 1: the samples after the first name the first one; the scheduler forks them from it
     # once it has computed the shared prompt (see tokenos.core.sched.forks).
     fork_of: str | None = None
+    # Multi-LoRA: the name of a loaded adapter to run under (None: the base model).
+    lora_name: str | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):

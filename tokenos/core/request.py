@@ -149,7 +149,10 @@ class Request:
         cls,
         req: EngineCoreRequest,
         block_hasher: Callable[[Request], list[BlockHash]] | None = None,
+        adapter_id: int | str | None = None,
     ) -> Request:
+        """``adapter_id``: the key of the LoRA adapter ``req.lora_name`` resolved to (its name and content
+        hash: it is in every block hash, so two adapters never share cached blocks)."""
         return cls(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -158,6 +161,7 @@ class Request:
             arrival_time=req.arrival_time,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            adapter_id=adapter_id,
             block_hasher=block_hasher,
             fork_of=req.fork_of,
             extra_eos_token_ids=req.extra_eos_token_ids,

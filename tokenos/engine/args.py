@@ -71,6 +71,12 @@ class EngineArgs:
     # Speculative decoding, vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}) or its
     # JSON text; None: off. See tokenos.core.spec_decode.
     speculative_config: dict | str | None = None
+    # Multi-LoRA (tokenos.lora): serve PEFT adapters over the base model, at most max_loras distinct ones
+    # per step, each of rank <= max_lora_rank; max_cpu_loras idle ones stay loaded (None: max_loras).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -87,6 +93,7 @@ class EngineArgs:
             get_reasoning_parser(self.reasoning_parser)  # ValueError naming the known parsers
         check_backend_available(self.structured_outputs_backend)
         self.speculative()  # ValueError on a bad or unbuilt speculative_config, before loading anything
+        self.lora_config()
         model_config = load_model_config(
             self.model, dtype=self.dtype, max_model_len=self.max_model_len, quantization=self.quantization
         )
@@ -107,6 +114,16 @@ class EngineArgs:
             cache_dtype=self.kv_cache_dtype,
         )
         return model_config, scheduler_config, cache_config
+
+    def lora_config(self):
+        """The checked LoRAConfig, or None when LoRA serving is off."""
+        from tokenos.config import LoRAConfig
+
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(
+            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras
+        )
 
     def speculative(self):
         """The checked SpeculativeConfig, or None when speculative decoding is off."""

@@ -109,6 +109,7 @@ class AsyncLLM:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream `RequestOutput`s for one request (kind per `sampling_params.output_kind`).
 
@@ -117,7 +118,7 @@ class AsyncLLM:
         `max_waiting_requests` would be waiting. While streaming, `RequestFailedError` means the engine
         failed this request alone."""
         request = self.input_processor.process(
-            request_id, prompt, sampling_params, priority=priority, cache_salt=cache_salt
+            request_id, prompt, sampling_params, priority=priority, cache_salt=cache_salt, lora_name=lora_name
         )
         num_samples = len(request.engine_requests)
         if self.num_in_flight + num_samples > self.max_in_flight:
@@ -160,6 +161,22 @@ class AsyncLLM:
 
     async def get_stats(self) -> dict:
         return await self.client.call_utility_async("get_stats")
+
+    async def add_lora(self, name: str, path: str) -> dict:
+        """Load a LoRA adapter in the engine core; ValueError (from the core) saying what is wrong."""
+        try:
+            return await self.client.call_utility_async("add_lora", name, path)
+        except RuntimeError as e:
+            message = str(e)
+            if message.startswith("ValueError: "):  # the core refused the adapter: the caller's error
+                raise ValueError(message[len("ValueError: ") :]) from None
+            raise
+
+    async def remove_lora(self, name: str) -> bool:
+        return await self.client.call_utility_async("remove_lora", name)
+
+    async def list_loras(self) -> list[dict]:
+        return await self.client.call_utility_async("list_loras")
 
 
 class _Admitted:

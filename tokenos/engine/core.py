@@ -62,7 +62,9 @@ class EngineCore:
             seed=args.seed,
             logits_processors=self.logits_processors,
             scheduler_config=scheduler_config,
+            lora_config=args.lora_config(),
         )
+        self.loras = self.model_runner.lora
         layer_specs = self.model_runner.get_kv_cache_spec()
         self.kv_cache_config = get_kv_cache_config(
             layer_specs,
@@ -85,7 +87,10 @@ class EngineCore:
             self.kv_cache_config,
             model_config.max_model_len,
             speculative_config=speculative,
+            max_loras=self.loras.config.max_loras if self.loras is not None else None,
         )
+        if self.loras is not None:
+            self.scheduler.on_request_freed = self._release_adapter
         # Structured output, built on the first request with a grammar (it loads the tokenizer).
         self.structured: StructuredOutputManager | None = None
         self._loaded_tokenizer: Any = None
@@ -174,12 +179,25 @@ class EngineCore:
             from tokenos.sample.logits_processor import validate_logits_processor_params
 
             validate_logits_processor_params(self.logits_processors, req.sampling_params)
-        request = Request.from_engine_core_request(req)
+        adapter = self._acquire_adapter(req.lora_name) if req.lora_name is not None else None
+        request = Request.from_engine_core_request(req, adapter_id=adapter)
         spec = req.sampling_params.structured
         if spec is None:
             self.scheduler.add_request(request)
         else:  # scheduled once its grammar is compiled (off this loop)
             self._structured_manager().submit(request, spec)
+
+    def _acquire_adapter(self, name: str) -> str:
+        if self.loras is None:
+            raise ValueError(
+                f"the request asks for LoRA adapter {name!r}, but LoRA is off: start the engine with "
+                "enable_lora=True (--enable-lora)."
+            )
+        return self.loras.acquire(name)
+
+    def _release_adapter(self, request: Request) -> None:
+        if request.adapter_id is not None:
+            self.loras.release(request.adapter_id)
 
     def _structured_manager(self) -> StructuredOutputManager:
         if self.structured is None:
@@ -217,8 +235,12 @@ class EngineCore:
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         ids = list(request_ids)
         if self.structured is not None:
-            pending = set(self.structured.abort(ids))
-            ids = [rid for rid in ids if rid not in pending]
+            pending = self.structured.abort(ids)
+            for request in pending:
+                if self.loras is not None:
+                    self._release_adapter(request)
+            pending_ids = {r.request_id for r in pending}
+            ids = [rid for rid in ids if rid not in pending_ids]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     def has_unfinished_requests(self) -> bool:
@@ -247,6 +269,9 @@ class EngineCore:
         ready, failed = self.structured.take_ready()
         for request in ready:
             self.scheduler.add_request(request)
+        if self.loras is not None:
+            for request, _ in failed:
+                self._release_adapter(request)
         return [
             EngineCoreOutput(req.request_id, [], finish_reason=int(FinishReason.ABORT), error=error)
             for req, error in failed
@@ -256,6 +281,20 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
+
+    def add_lora(self, name: str, path: str) -> dict:
+        """Load the PEFT adapter in ``path`` as ``name`` (checked against the model); its description.
+        ValueError saying what is wrong (LoRA off, a bad folder, a mismatched base model, a rank too big)."""
+        if self.loras is None:
+            raise ValueError("LoRA is off: start the engine with enable_lora=True (--enable-lora).")
+        return self.loras.register(name, path).as_dict()
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget the adapter ``name`` (requests already running under it finish with it)."""
+        return self.loras is not None and self.loras.unregister(name)
+
+    def list_loras(self) -> list[dict]:
+        return [info.as_dict() for info in self.loras.list()] if self.loras is not None else []
 
     def get_stats(self) -> dict:
         stats = self.scheduler.make_stats()

@@ -350,6 +350,7 @@ class InputProcessor:
         cache_salt: str | None = None,
         arrival_time: float | None = None,
         output_kind: RequestOutputKind | None = None,
+        lora_name: str | None = None,
     ) -> ProcessedRequest:
         """Tokenize, validate and convert one request; ValueError (InvalidRequestError) when it cannot run."""
         tokenized = self.truncate(self.tokenize_prompt(prompt), params)
@@ -380,6 +381,7 @@ class InputProcessor:
                     priority=priority,
                     cache_salt=cache_salt,
                     fork_of=samples[0].request_id if samples else None,
+                    lora_name=lora_name,
                 )
             )
         return ProcessedRequest(request_id, tokenized, params, samples)

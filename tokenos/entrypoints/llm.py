@@ -7,6 +7,7 @@ process, no sockets), with the same front door (`InputProcessor`) and output pro
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,6 +19,7 @@ from tokenos.engine.output_processor import OutputProcessor
 from tokenos.engine.tokenizer import load_tokenizer
 from tokenos.entrypoints.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from tokenos.entrypoints.progress import Progress
+from tokenos.lora.request import LoRARequest
 from tokenos.outputs import RequestOutput
 from tokenos.sampling_params import RequestOutputKind, SamplingParams
 
@@ -65,13 +67,17 @@ class LLM:
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """``lora_request``: the LoRA adapter every prompt runs under, or one (or None) per prompt; an
+        adapter not loaded yet is loaded first (`add_lora`). Needs ``LLM(..., enable_lora=True)``."""
         if isinstance(prompts, str | dict | Prompt) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]
         prompts = list(prompts)
         params_list = self._params_list(sampling_params, len(prompts))
+        adapters = self._lora_names(lora_request, len(prompts))
         # Every request through the front door before any reaches the engine: one bad prompt fails
         # the call and leaves nothing half-submitted.
         requests = [
@@ -81,12 +87,51 @@ class LLM:
                 params,
                 priority=priority[i] if priority else 0,
                 output_kind=RequestOutputKind.FINAL_ONLY,
+                lora_name=adapters[i],
             )
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True))
         ]
         for request in requests:
             self._add_request(request)
         return self._run([r.request_id for r in requests], use_tqdm)
+
+    # ------------------------------------------------------------ LoRA
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load an adapter (checked against the model now); True if it was not loaded yet. ValueError
+        when it cannot serve (LoRA off, a bad folder, another base model, a rank above max_lora_rank), or
+        when its name is already loaded from another folder."""
+        loaded = {info["name"]: info for info in self.engine.list_loras()}
+        known = loaded.get(lora_request.lora_name)
+        if known is None:
+            self.engine.add_lora(lora_request.lora_name, lora_request.lora_path)
+            return True
+        if known["path"] != os.path.abspath(lora_request.lora_path):
+            raise ValueError(
+                f"a LoRA adapter named {lora_request.lora_name!r} is already loaded from {known['path']}: "
+                "remove_lora it first, or pick another name."
+            )
+        return False
+
+    def remove_lora(self, lora_name: str) -> bool:
+        return self.engine.remove_lora(lora_name)
+
+    def list_loras(self) -> list[dict]:
+        return self.engine.list_loras()
+
+    def _lora_names(
+        self, lora_request: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+    ) -> list[str | None]:
+        if lora_request is None:
+            return [None] * n
+        requests = [lora_request] * n if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(requests) != n:
+            raise ValueError(
+                f"Got {len(requests)} lora_request for {n} prompts: give one, or one per prompt."
+            )
+        for r in {r for r in requests if r is not None}:
+            self.add_lora(r)
+        return [r.lora_name if r is not None else None for r in requests]
 
     def chat(
         self,

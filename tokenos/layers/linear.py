@@ -24,6 +24,7 @@ exact, at the dense size.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,7 @@ class Linear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
+        self.input_size, self.output_size = input_size, output_size
         self.weight = make_param(output_size, input_size)
         self.bias = make_param(output_size) if bias else None
         self.weight.weight_loader = self.weight_loader
@@ -46,8 +48,14 @@ class Linear(nn.Module):
         self.quantized: QuantizedWeight | None = None
         # Shard id (None: the whole weight) -> its quantized checkpoint tensor, until pack().
         self.quantized_shards: dict[int | str | None, QuantizedTensor] = {}
+        # Multi-LoRA: adds this step's adapters' deltas to the output (`tokenos.lora.layers`).
+        self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base_forward(x)
+        return y if self.lora is None else self.lora(x, y)
+
+    def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized(x, self.bias)
         if self.packed is not None:

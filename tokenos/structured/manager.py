@@ -83,9 +83,10 @@ class StructuredOutputManager:
     def submit(self, request: Request, spec: StructuredSpec) -> None:
         self._pending[request.request_id] = (request, self._compiled(spec), time.monotonic())
 
-    def abort(self, request_ids: list[str]) -> list[str]:
+    def abort(self, request_ids: list[str]) -> list[Request]:
         """Drop pending requests among ``request_ids``; returns those that were pending."""
-        return [rid for rid in request_ids if self._pending.pop(rid, None) is not None]
+        dropped = [self._pending.pop(rid, None) for rid in request_ids]
+        return [entry[0] for entry in dropped if entry is not None]
 
     @property
     def num_pending(self) -> int:

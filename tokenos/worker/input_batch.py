@@ -208,6 +208,17 @@ class InputBatch:
                 self.swap_rows(a, b)
         return n
 
+    def order_rows(self, order: list[int]) -> None:
+        """Permute rows ``[0, len(order))`` so that row i then holds what row ``order[i]`` holds now."""
+        position = list(range(len(order)))  # where each original row is now
+        at = list(range(len(order)))  # which original row each position holds now
+        for i, want in enumerate(order):
+            j = position[want]
+            if j != i:
+                self.swap_rows(i, j)
+                at[i], at[j] = at[j], at[i]
+                position[at[i]], position[at[j]] = i, j
+
     # ------------------------------------------------------------ logits processors
 
     def update_logits_processors(self, n: int) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Hashable, Iterable, Sequence
 import numpy as np
 import torch
 
-from tokenos.config import CacheConfig, SchedulerConfig
+from tokenos.config import CacheConfig, LoRAConfig, SchedulerConfig
 from tokenos.core.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaSpec, cdiv
 from tokenos.core.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenos.layers import cpu_kernels
@@ -30,6 +30,7 @@ from tokenos.layers.attention_metadata import AttentionMetadata, make_attention_
 from tokenos.layers.metadata import ForwardBatch
 from tokenos.layers.quantization import weight_bytes
 from tokenos.layers.recurrent_batch import RecurrentBatch
+from tokenos.lora.manager import LoRAManager
 from tokenos.models import build_model
 from tokenos.models.config import ModelConfig
 from tokenos.platform import configure_threads, cpu_summary, dtype_name, native_bf16_supported
@@ -61,9 +62,11 @@ class ModelRunner:
         seed: int = 0,
         logits_processors: Sequence[type[LogitsProcessor]] = (),
         scheduler_config: SchedulerConfig | None = None,
+        lora_config: LoRAConfig | None = None,
     ) -> None:
         """``logits_processors``: custom processor classes (`tokenos.sample.logits_processor`), each built
-        once with the engine's configs (``scheduler_config`` among them)."""
+        once with the engine's configs (``scheduler_config`` among them). ``lora_config``: serve LoRA
+        adapters (`tokenos.lora`); the adapters themselves are registered on ``self.lora``."""
         torch.manual_seed(seed)
         self.num_threads = configure_threads()
         self.model_config = model_config
@@ -72,6 +75,8 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = model_config.max_model_len
         self.model = build_model(model_config)
+        self.lora = LoRAManager(self.model, lora_config, model_config.dtype) if lora_config else None
+        self.adapter_of: dict[str, int | str] = {}  # req id -> its adapter key (LoRA requests only)
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.logits_processor_classes = list(logits_processors)
@@ -154,8 +159,14 @@ class ModelRunner:
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
         batch = self.input_batch
         assert batch is not None
-        batch.remove_requests(scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids)
+        gone = scheduler_output.finished_req_ids | scheduler_output.preempted_req_ids
+        batch.remove_requests(gone)
+        if self.adapter_of:
+            for req_id in gone:
+                self.adapter_of.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
+            if new.adapter_id is not None:
+                self.adapter_of[new.req_id] = new.adapter_id
             batch.remove_requests((new.req_id,))  # resumed after a preemption: rebuilt from scratch
             batch.add_request(
                 new.req_id,
@@ -189,12 +200,16 @@ class ModelRunner:
             return ModelRunnerOutput([], {}, [])
         scheduled = scheduler_output.num_scheduled_tokens
         n = batch.gather_scheduled(scheduled)
+        if self.lora is not None:
+            self._order_by_adapter(n)
         batch.update_logits_processors(n)
         req_ids: list[str] = batch.req_ids[:n]  # type: ignore[assignment]
         drafts = self._place_drafts(scheduler_output.scheduled_spec_decode_tokens, req_ids)
         inputs = prepare_step_inputs(
             batch.token_ids, batch.num_computed_tokens[:n], [scheduled[r] for r in req_ids]
         )
+        if self.lora is not None:
+            self.lora.set_step(self._adapter_segments(req_ids, inputs))
 
         self._copy_pages(scheduler_output)
         group_metadata = [self._group_metadata(g, spec, inputs) for g, spec in enumerate(self.group_specs)]
@@ -233,6 +248,33 @@ class ModelRunner:
                 logprobs.append(None)
         batch.num_computed_tokens[:n] = seq_after
         return self._output(hidden, req_ids, inputs, sampled_lists, logprobs, failed)
+
+    # ------------------------------------------------------------------ LoRA
+
+    def _order_by_adapter(self, n: int) -> None:
+        """Rows [0, n) grouped by adapter (base-model rows first), so each adapter's tokens are one
+        contiguous segment of the flat batch. Rows stay put between steps, so this is usually no swap."""
+        if not self.adapter_of:
+            return
+        batch = self.input_batch
+        adapter_of = self.adapter_of
+        keys = [str(adapter_of.get(r, "")) for r in batch.req_ids[:n]]
+        batch.order_rows(sorted(range(n), key=keys.__getitem__))
+
+    def _adapter_segments(self, req_ids: list[str], inputs: StepInputs) -> list[tuple[str, int, int]]:
+        segments: list[tuple[str, int, int]] = []
+        if not self.adapter_of:
+            return segments
+        starts, ends = inputs.query_start.tolist(), inputs.query_end.tolist()
+        for row, req_id in enumerate(req_ids):
+            key = self.adapter_of.get(req_id)
+            if key is None:
+                continue
+            if segments and segments[-1][0] == key:
+                segments[-1] = (key, segments[-1][1], ends[row])
+            else:
+                segments.append((key, starts[row], ends[row]))
+        return segments
 
     def _output(
         self,

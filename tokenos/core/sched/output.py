@@ -90,6 +90,8 @@ class NewRequestData:
     # sampler forbids them below min_tokens.
     eos_token_id: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
+    # Multi-LoRA: the key of the adapter the request runs under (None: the base model).
+    adapter_id: int | str | None = None
 
 
 @dataclass

@@ -91,6 +91,7 @@ class StepPlan:
                 output_token_ids=list(r.output_token_ids),
                 eos_token_id=r.eos_token_id,
                 stop_token_ids=sorted(r.stop_token_ids),
+                adapter_id=r.adapter_id,
             )
             for r in self.admitted
         ]

@@ -22,7 +22,7 @@ request and allocates only what the output messages need.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from tokenos.config import CacheConfig, SchedulerConfig
 from tokenos.core.kv_cache.manager import KVCacheManager
@@ -47,7 +47,10 @@ class Scheduler:
         kv_cache_config: KVCacheConfig,
         max_model_len: int,
         speculative_config: SpeculativeConfig | None = None,
+        max_loras: int | None = None,
     ) -> None:
+        """``max_loras``: the most distinct LoRA adapters (`Request.adapter_id`) in the running set,
+        hence in one step (None: no adapters are served)."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}.")
         if (
@@ -97,6 +100,9 @@ class Scheduler:
         self.spec = speculative_config
         self.proposer = make_proposer(speculative_config) if speculative_config is not None else None
         self.spec_stats = SpecStats(speculative_config.num_speculative_tokens if speculative_config else 0)
+        self.max_loras = max_loras
+        # Called with every request the scheduler lets go (finished, aborted): the engine unpins its adapter.
+        self.on_request_freed: Callable[[Request], None] | None = None
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -150,6 +156,8 @@ class Scheduler:
         self.kv_cache_manager.free(req)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
+        if self.on_request_freed is not None:
+            self.on_request_freed(req)
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.waiting) + len(self.running) + self.forks.num_parked
@@ -239,11 +247,16 @@ class Scheduler:
             i += 1
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
-        """Admit from the head of the queue while budget, seats and memory last (no skipping ahead)."""
+        """Admit from the head of the queue while budget, seats, memory and adapter slots last (no
+        skipping ahead: a request whose adapter finds every slot taken waits, and so do those behind it,
+        until a running adapter's requests finish; nobody starves)."""
         kv = self.kv_cache_manager
         waiting, running = self.waiting, self.running
+        adapters = self._running_adapters() if self.max_loras is not None else None
         while waiting and plan.budget > 0 and len(running) < self.max_num_running_reqs:
             req = waiting.peek()
+            if adapters is not None and not self._adapter_fits(req, adapters):
+                break
             hit = self.forks.take_hit(req, kv) or kv.get_computed_blocks(req)
             num_hit = hit.num_tokens
             num_new = req.num_tokens - num_hit
@@ -262,9 +275,17 @@ class Scheduler:
             if req.num_cached_tokens < 0:  # its first admission (not a resumption after preemption)
                 req.num_cached_tokens = num_hit
                 self.last_step_first_scheduled[req.request_id] = time.monotonic()
+            if adapters is not None and req.adapter_id is not None:
+                adapters.add(req.adapter_id)
             copies = kv.state_copies(num_hit, num_hit + num_new) if kv.has_recurrent else None
             plan.admit(req, num_new, copies, kv.take_prefix_page_copies(req))
             self.forks.after_admission(req, num_hit)
+
+    def _running_adapters(self) -> set[int | str]:
+        return {r.adapter_id for r in self.running if r.adapter_id is not None}
+
+    def _adapter_fits(self, req: Request, adapters: set[int | str]) -> bool:
+        return req.adapter_id is None or req.adapter_id in adapters or len(adapters) < self.max_loras
 
     def _select_victim(self) -> Request:
         if self.policy == "priority":
