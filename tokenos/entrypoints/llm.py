@@ -91,8 +91,15 @@ class LLM:
             )
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True))
         ]
-        for request in requests:
-            self._add_request(request)
+        added: list[str] = []
+        try:
+            for request in requests:
+                self._add_request(request)
+                added.append(request.request_id)
+        except ValueError:  # the engine core refused one (an adapter it cannot load): none of them run
+            for request_id in added:
+                self.engine.abort_requests(self.output_processor.abort_request(request_id))
+            raise
         return self._run([r.request_id for r in requests], use_tqdm)
 
     # ------------------------------------------------------------ LoRA
@@ -215,9 +222,15 @@ class LLM:
         return params
 
     def _add_request(self, request: ProcessedRequest) -> None:
+        added: list[str] = []
+        try:
+            for sample in request.engine_requests:
+                self.engine.add_request(sample)
+                added.append(sample.request_id)
+        except ValueError:
+            self.engine.abort_requests(added)
+            raise
         self.output_processor.add_request(request)
-        for sample in request.engine_requests:
-            self.engine.add_request(sample)
         self._num_requests += 1
         self._num_prompt_tokens += len(request.prompt.token_ids) * request.params.n
 

@@ -168,8 +168,11 @@ def _split_key(key: str, name: str) -> tuple[str, str]:
     """``base_model.model.<module>.lora_A.weight`` -> (module, "lora_A")."""
     parts = key.split(".")
     if len(parts) < 3 or parts[-1] != "weight" or parts[-2] not in ("lora_A", "lora_B"):
-        what = "embedding LoRA" if "lora_embedding" in key else f"tensor {key!r}"
-        raise ValueError(f"LoRA adapter {name!r}: {what} is not supported (only lora_A / lora_B of linears).")
+        what = "embedding LoRA" if "lora_embedding" in key else f"tensor {key!r} (not a lora_A / lora_B)"
+        raise ValueError(
+            f"LoRA adapter {name!r}: {what} is not supported: tokenos adapts linears only, and does not "
+            "load base-model weights saved with an adapter (modules_to_save, embedding layers)."
+        )
     module = ".".join(parts[:-2])
     return (module[len(_PREFIX) :] if module.startswith(_PREFIX) else module), parts[-2]
 
