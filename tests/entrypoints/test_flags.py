@@ -72,7 +72,7 @@ def test_vllm_spellings_and_flags(caplog):
     assert args.kv_cache_memory_bytes == 2**30 and args.num_kv_blocks == 64
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "--gpu-memory-utilization" in warned and "--enforce-eager" in warned
-    for refused in (["-tp", "2"], ["--enable-lora"]):
+    for refused in (["-tp", "2"], ["--revision", "main"]):
         with pytest.raises(SystemExit, match="is refused"):
             parse_serve_args(refused)
     assert parse_serve_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"

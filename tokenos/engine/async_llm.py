@@ -64,6 +64,8 @@ class AsyncLLM:
             logits_processors=engine_args.logits_processors,
         )
         self.metrics = metrics
+        # LoRA adapters loaded in the engine core, by name (what /v1/models lists and requests may name).
+        self.lora_adapters: dict[str, dict] = {}
         # Samples in flight (running or waiting in the core); beyond max_in_flight a request is refused.
         self.num_in_flight = 0
         self.max_in_flight = engine_args.max_num_seqs + engine_args.max_waiting_requests
@@ -164,15 +166,23 @@ class AsyncLLM:
 
     async def add_lora(self, name: str, path: str) -> dict:
         """Load a LoRA adapter in the engine core; ValueError (from the core) saying what is wrong."""
+        if name in self.lora_adapters or name == self.served_model_name:
+            raise ValueError(
+                f"a model named {name!r} is already served: unload it first, or pick another name."
+            )
         try:
-            return await self.client.call_utility_async("add_lora", name, path)
+            info = await self.client.call_utility_async("add_lora", name, path)
         except RuntimeError as e:
             message = str(e)
             if message.startswith("ValueError: "):  # the core refused the adapter: the caller's error
                 raise ValueError(message[len("ValueError: ") :]) from None
             raise
+        self.lora_adapters[name] = info
+        return info
 
     async def remove_lora(self, name: str) -> bool:
+        if self.lora_adapters.pop(name, None) is None:
+            return False
         return await self.client.call_utility_async("remove_lora", name)
 
     async def list_loras(self) -> list[dict]:

@@ -215,6 +215,20 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         type=json_object,
     ),
     Flag(
+        ("--enable-lora",),
+        "enable_lora",
+        "serve LoRA adapters (PEFT folders; --lora-modules, or POST /v1/load_lora_adapter)",
+        action="store_true",
+    ),
+    Flag(("--max-loras",), "max_loras", "LoRA: the most distinct adapters in one batch (1)", type=int),
+    Flag(("--max-lora-rank",), "max_lora_rank", "LoRA: the largest adapter rank served (16)", type=int),
+    Flag(
+        ("--max-cpu-loras",),
+        "max_cpu_loras",
+        "LoRA: idle adapters kept loaded, least recently used evicted (--max-loras)",
+        type=int,
+    ),
+    Flag(
         ("--reasoning-parser",),
         "reasoning_parser",
         "reasoning models: deepseek_r1 or qwen3 (thinking as reasoning_content; grammars after it)",
@@ -314,8 +328,6 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
         ("--pipeline-parallel-size", "-pp"), "one CPU process: no pipeline parallelism yet", harmless=_is(1)
     ),
     VllmFlag(("--data-parallel-size", "-dp"), "one engine: no data parallelism yet", harmless=_is(1)),
-    VllmFlag(("--enable-lora",), "LoRA adapters are not supported yet", harmless=_never, takes_value=False),
-    VllmFlag(("--lora-modules",), "LoRA adapters are not supported yet", harmless=_never),
     VllmFlag(("--hf-overrides",), "it would change the model's config", harmless=_never),
     VllmFlag(("--rope-scaling",), "it would change the model's positions", harmless=_never),
     VllmFlag(("--tokenizer-mode",), "Hugging Face tokenizers only", harmless=_is("auto", "hf")),

@@ -41,10 +41,12 @@ from tokenos.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     OpenAIError,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from tokenos.entrypoints.openai.protocol_responses import ResponsesRequest
 from tokenos.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -220,11 +222,16 @@ def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
     root = getattr(getattr(engine, "engine_args", None), "model", None)
 
     def card(name: str) -> ModelCard:
+        adapter = completion.lora_adapters.get(name)
+        if adapter is not None:
+            return ModelCard(
+                id=name, root=adapter["path"], parent=names[0], max_model_len=completion.max_model_len
+            )
         return ModelCard(id=name, root=root or name, max_model_len=completion.max_model_len)
 
     @app.get("/v1/models")
     async def models() -> ModelList:
-        return ModelList(data=[card(n) for n in names])
+        return ModelList(data=[card(n) for n in [*names, *completion.lora_adapters]])
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str) -> ModelCard:
@@ -259,7 +266,51 @@ def build_app(engine: Any, args: argparse.Namespace) -> FastAPI:
         completion.check_model(request.model)
         return {"prompt": await chat.off_loop(engine.input_processor.decode, request.tokens)}
 
+    if runtime_lora_updating():
+        _add_lora_routes(app, engine, names)
     return app
+
+
+def runtime_lora_updating() -> bool:
+    """Whether clients may load and unload adapters (vLLM's guard: off unless the environment says so)."""
+    flags = (
+        os.environ.get(v, "")
+        for v in ("TOKENOS_ALLOW_RUNTIME_LORA_UPDATING", "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+    )
+    return any(f.strip().lower() in ("1", "true") for f in flags)
+
+
+def _add_lora_routes(app: FastAPI, engine: Any, names: list[str]) -> None:
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+        if request.lora_name in names:
+            raise OpenAIError(f"`{request.lora_name}` is the base model's name.", param="lora_name")
+        try:
+            await engine.add_lora(request.lora_name, request.lora_path)
+        except ValueError as e:
+            raise OpenAIError(str(e), param="lora_path") from None
+        return Response(
+            f"Success: LoRA adapter '{request.lora_name}' added successfully.", media_type="text/plain"
+        )
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+        if not await engine.remove_lora(request.lora_name):
+            raise OpenAIError(
+                f"The lora adapter '{request.lora_name}' cannot be found.",
+                status=404,
+                param="lora_name",
+                code="model_not_found",
+            )
+        return Response(
+            f"Success: LoRA adapter '{request.lora_name}' removed successfully.", media_type="text/plain"
+        )
+
+
+async def load_lora_modules(engine: Any, modules: list[dict] | None) -> None:
+    """The adapters of --lora-modules, loaded before the server answers; ValueError on a bad one."""
+    for module in modules or ():
+        await engine.add_lora(module["name"], module["path"])
 
 
 async def _respond(pending: Any) -> Response:
@@ -340,6 +391,11 @@ async def serve_app(app: FastAPI, engine: Any, args: argparse.Namespace) -> int:
         ssl_ca_certs=getattr(args, "ssl_ca_certs", None),
         root_path=getattr(args, "root_path", None) or "",
     )
+    try:
+        await load_lora_modules(engine, getattr(args, "lora_modules", None))
+    except ValueError as e:
+        logger.error("cannot start: %s", e)
+        return 1
     server = uvicorn.Server(config)
     watchdog = asyncio.create_task(_watch_engine(server, engine, args))
     # uvicorn shuts down gracefully on SIGINT / SIGTERM, then raises the signal again for the handler it

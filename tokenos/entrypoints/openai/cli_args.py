@@ -8,6 +8,7 @@ MODEL is optional (the embedded SmolLM2 when omitted) and may also be given as `
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from tokenos.engine.args import EngineArgs
@@ -22,7 +23,37 @@ from tokenos.engine.flags import (
 )
 from tokenos.tool_parsers import TOOL_PARSERS
 
+
+def lora_module(value: str) -> dict:
+    """``name=path`` or vLLM's JSON form -> {"name", "path", "base_model_name"}."""
+    text = value.strip()
+    if text.startswith("{"):
+        try:
+            parsed = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+        if not isinstance(parsed, dict) or not {"name", "path"} <= set(parsed):
+            raise argparse.ArgumentTypeError('expected {"name": ..., "path": ...}')
+        return {
+            "name": str(parsed["name"]),
+            "path": str(parsed["path"]),
+            "base_model_name": parsed.get("base_model_name"),
+        }
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {value!r}")
+    return {"name": name, "path": path, "base_model_name": None}
+
+
 SERVER_FLAGS: tuple[Flag, ...] = (
+    Flag(
+        ("--lora-modules",),
+        "lora_modules",
+        "LoRA adapters to serve (with --enable-lora): name=path, or vLLM's JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}; clients pick one as `model`',
+        type=lora_module,
+        nargs="+",
+    ),
     Flag(("--host",), "host", "address to listen on (127.0.0.1; 0.0.0.0 for all)", default="127.0.0.1"),
     Flag(("--port",), "port", "port to listen on (8000)", type=int, default=8000),
     Flag(("--api-key",), "api_key", "require `Authorization: Bearer KEY` on every route but the probes"),
@@ -134,6 +165,8 @@ def parse_serve_args(argv: list[str] | None) -> argparse.Namespace:
         raise SystemExit("tokenos serve: --enable-auto-tool-choice needs --tool-call-parser NAME")
     if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
         raise SystemExit("tokenos serve: --ssl-keyfile and --ssl-certfile go together")
+    if args.lora_modules and not args.enable_lora:
+        raise SystemExit("tokenos serve: --lora-modules needs --enable-lora")
     args.model = args.model_tag or args.model
     return args
 

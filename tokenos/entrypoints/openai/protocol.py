@@ -692,7 +692,19 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "tokenos"
     root: str | None = None
+    # A LoRA adapter's base model (vLLM's field); None for the base model itself.
+    parent: str | None = None
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(StrictModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(StrictModel):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; adapters are named
 
 
 class ModelList(BaseModel):

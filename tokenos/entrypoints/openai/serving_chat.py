@@ -123,7 +123,12 @@ class OpenAIServingChat(OpenAIServing):
         request_id = random_id("chatcmpl")
         try:  # admission happens here, before any byte of the response: refusals keep their status
             generator = self.engine.generate(
-                prompt, params, request_id, priority=request.priority, cache_salt=request.cache_salt
+                prompt,
+                params,
+                request_id,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+                **self.adapter_kwargs(model),
             )
         except Exception as e:
             raise engine_error(e) from e

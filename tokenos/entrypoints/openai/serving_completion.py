@@ -54,7 +54,12 @@ class OpenAIServingCompletion(OpenAIServing):
         try:  # admission happens here, before any byte of the response: refusals keep their status
             generators = [
                 self.engine.generate(
-                    prompt, params, rid, priority=request.priority, cache_salt=request.cache_salt
+                    prompt,
+                    params,
+                    rid,
+                    priority=request.priority,
+                    cache_salt=request.cache_salt,
+                    **self.adapter_kwargs(model),
                 )
                 for prompt, rid in zip(prompts, run.request_ids, strict=True)
             ]

@@ -155,15 +155,26 @@ class OpenAIServing:
         return self.engine.input_processor
 
     def check_model(self, model: str | None) -> str:
-        """The name to answer with; 404 for a model this server does not serve."""
-        if model is None or model in self.served_model_names:
+        """The name to answer with; 404 for a model this server does not serve (neither the base model's
+        names nor a loaded LoRA adapter's)."""
+        if model is None or model in self.served_model_names or model in self.lora_adapters:
             return model or self.served_model_names[0]
+        names = [*self.served_model_names, *self.lora_adapters]
         raise OpenAIError(
-            f"The model `{model}` does not exist. This server serves: {', '.join(self.served_model_names)}.",
+            f"The model `{model}` does not exist. This server serves: {', '.join(names)}.",
             status=404,
             param="model",
             code="model_not_found",
         )
+
+    @property
+    def lora_adapters(self) -> dict[str, dict]:
+        """Loaded LoRA adapters by name (the engine's; none for an engine without LoRA)."""
+        return getattr(self.engine, "lora_adapters", None) or {}
+
+    def adapter_kwargs(self, model: str) -> dict:
+        """``engine.generate``'s LoRA argument for a request naming ``model`` (nothing for the base)."""
+        return {"lora_name": model} if model in self.lora_adapters else {}
 
     def check_engine(self) -> None:
         if getattr(self.engine, "errored", False):
