@@ -164,3 +164,16 @@ def test_requests_for_adapters_the_engine_cannot_serve_are_refused(setup):
     with pytest.raises(ValueError, match="'nope' is not loaded"):
         llm.engine.add_request(request)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_the_benchmarks_random_adapters_load_on_every_projection(setup, tmp_path):
+    from tokenos.bench.lora import projection_shapes, write_random_adapter
+
+    root, base_folder, base, refs, loras = setup
+    llm = make_llm(base_folder, enable_lora=True, max_lora_rank=16)
+    folder = write_random_adapter(llm.model_config, str(tmp_path / "random"), rank=16, seed=0)
+    llm.add_lora(LoRARequest("random", 1, folder))
+    layers = llm.model_config.num_hidden_layers
+    # q/k/v land on qkv_proj and gate/up on gate_up_proj: 4 adapted linears per layer
+    assert len(llm.engine.loras.loaded[llm.engine.loras.registered["random"].key]) == 4 * layers
+    assert len(projection_shapes(llm.model_config)) == 7

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 import time
 
 from tokenos.engine.flags import add_engine_args, engine_kwargs, parse_args
@@ -27,6 +28,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="keep the warm-up's blocks in the prefix cache for the timed run, as the vLLM peer harness "
         "does with prefix caching on (by default the cache is emptied after the warm-up)",
     )
+    parser.add_argument(
+        "--num-loras",
+        type=int,
+        default=0,
+        help="LoRA: random adapters (on every attention and MLP projection), request i under adapter "
+        "i mod N; turns --enable-lora on and --max-loras up to N",
+    )
+    parser.add_argument("--lora-rank", type=int, default=16, help="LoRA: the random adapters' rank (16)")
     add_engine_args(parser)
     parser.set_defaults(dtype="bfloat16")  # benchmarks run what the peers run
 
@@ -47,24 +56,55 @@ def load_workload(args: argparse.Namespace, vocab_size: int) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> dict:
-    from tokenos import LLM, SamplingParams
+    from tokenos import LLM
 
+    kwargs = engine_kwargs(args)
+    if args.num_loras:
+        kwargs["enable_lora"] = True
+        kwargs["max_loras"] = max(kwargs.get("max_loras") or 1, args.num_loras)
+        kwargs["max_lora_rank"] = max(kwargs.get("max_lora_rank") or 16, args.lora_rank)
     t0 = time.perf_counter()
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(args.model, **kwargs)
     startup = time.perf_counter() - t0
     rows = load_workload(args, llm.model_config.vocab_size)
+    with tempfile.TemporaryDirectory() as folder:
+        loras = random_loras(llm, folder, args.num_loras, args.lora_rank, len(rows))
+        return _timed(args, llm, rows, loras, startup)
+
+
+def random_loras(llm, folder: str, count: int, rank: int, num_requests: int) -> list | None:
+    """`count` random adapters loaded into `llm`; the adapter of each request (None: no LoRA)."""
+    if not count:
+        return None
+    from tokenos.bench.lora import write_random_adapter
+    from tokenos.lora import LoRARequest
+
+    adapters = [
+        LoRARequest(
+            f"bench-lora-{i}", i + 1, write_random_adapter(llm.model_config, f"{folder}/{i}", rank, i)
+        )
+        for i in range(count)
+    ]
+    for adapter in adapters:
+        llm.add_lora(adapter)
+    return [adapters[i % count] for i in range(num_requests)]
+
+
+def _timed(args: argparse.Namespace, llm, rows: list[dict], loras: list | None, startup: float) -> dict:
+    from tokenos import SamplingParams
+
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in rows]
     params = [
         SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], ignore_eos=True, detokenize=False)
         for r in rows
     ]
     if not args.no_warmup:
-        llm.generate(prompts[:4], params[:4], use_tqdm=False)
+        llm.generate(prompts[:4], params[:4], use_tqdm=False, lora_request=loras[:4] if loras else None)
         if not args.keep_warmup_cache:
             llm.reset_prefix_cache()
     before = llm.get_metrics()
     t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
     wall = time.perf_counter() - t
     n_out = sum(len(o.outputs[0].token_ids) for o in outs)
     n_in = sum(len(r["prompt_token_ids"]) for r in rows)
@@ -90,6 +130,7 @@ def run(args: argparse.Namespace) -> dict:
             metrics["prefix_cache_hits"] / max(metrics["prefix_cache_queries"], 1), 3
         ),
         "num_preemptions": metrics["num_preemptions"],
+        **({"num_loras": args.num_loras, "lora_rank": args.lora_rank} if loras else {}),
         **spec_figures(before, after),
     }
 
