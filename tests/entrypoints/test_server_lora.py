@@ -79,6 +79,10 @@ def test_each_model_name_serves_its_adapter_in_one_batch(server, offline):
     chat = {"model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     reply = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=60)
     assert reply.status_code == 200 and reply.json()["model"] == "a"
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert (
+        'vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
+    )
 
 
 def test_load_and_unload_at_run_time(server, folders, offline):

@@ -21,7 +21,6 @@ sample's intervals add up: e2e (arrival -> its end) = queue (arrival -> first sc
 token) + decode (first -> last token). Arrival is when the frontend hands it to the engine (tokenized).
 
 vLLM metrics left out, and why:
-- `vllm:lora_requests_info`: LoRA adapters are not built.
 - `vllm:external_prefix_cache_queries` / `_hits`, the KV-connector and KV-offload series: no KV connector
   (no cross-instance or CPU-offloaded KV); `vllm:prompt_tokens_by_source{source="external_kv_transfer"}`
   is exported and stays 0, so the sources still add up to `vllm:prompt_tokens`.
@@ -193,6 +192,14 @@ class EngineMetrics:
         self.num_waiting = self._one(
             Gauge, "vllm:num_requests_waiting", "Number of requests waiting to be processed."
         )
+        # vLLM's labels (no model_name / engine); one child: the current running / waiting adapters.
+        self.lora_info = self._register(
+            Gauge,
+            "vllm:lora_requests_info",
+            "Running stats on lora requests.",
+            labelnames=("max_lora", "waiting_lora_adapters", "running_lora_adapters"),
+        )
+        self._lora_labels: tuple[str, str, str] | None = None
         self.waiting_by_reason = self._by(
             Gauge,
             "vllm:num_requests_waiting_by_reason",
@@ -480,7 +487,17 @@ class EngineMetrics:
             self._add_source_increase(source, value)
         if "spec_decoding" in stats:
             self._add_spec_increase(stats["spec_decoding"])
+        if "lora" in stats:
+            self._set_lora_info(stats["lora"])
         self._apply_step(stats)
+
+    def _set_lora_info(self, lora: dict[str, Any]) -> None:
+        labels = (str(lora["max_lora"]), ",".join(lora["waiting"]), ",".join(lora["running"]))
+        if labels != self._lora_labels:  # the series names the adapters now, not every set ever seen
+            if self._lora_labels is not None:
+                self.lora_info.remove(*self._lora_labels)
+            self._lora_labels = labels
+        self.lora_info.labels(*labels).set_to_current_time()
 
     def _add_source_increase(self, source: str, value: int) -> None:
         if source not in self.hits_by_source:

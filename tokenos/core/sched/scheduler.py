@@ -170,6 +170,16 @@ class Scheduler:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def make_stats(self) -> dict:
+        stats = self._base_stats()
+        if self.max_loras is not None:
+            stats["lora"] = {
+                "max_lora": self.max_loras,
+                "running": _adapter_names(self.running),
+                "waiting": _adapter_names(self.waiting),
+            }
+        return stats
+
+    def _base_stats(self) -> dict:
         kv = self.kv_cache_manager
         return {
             "num_running": len(self.running),
@@ -482,3 +492,8 @@ class SpecStats:
             "num_accepted_tokens": self.num_accepted_tokens,
             "accepted_per_pos": list(self.accepted_per_pos),
         }
+
+
+def _adapter_names(requests: Iterable[Request]) -> list[str]:
+    """The LoRA adapters' names (keys are ``name@hash``) among ``requests``, sorted."""
+    return sorted({str(r.adapter_id).rpartition("@")[0] for r in requests if r.adapter_id is not None})
