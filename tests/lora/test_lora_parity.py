@@ -1,7 +1,7 @@
 """Multi-LoRA through the offline `LLM`: each adapter's greedy tokens and logprobs equal transformers +
 PEFT's, in batches that mix adapters with base-model requests, under chunked prefill, preemption and
 n > 1, for families whose q/k/v and gate/up we fuse (Llama, Qwen2 with biases) or whose checkpoint
-already fuses them (Phi-3)."""
+already fuses them (Phi-3); and every other dense family in one mixed batch."""
 
 from __future__ import annotations
 
@@ -104,3 +104,22 @@ def test_n_greater_than_one_under_an_adapter(setup):
         [{"prompt_token_ids": p} for p in prompts], _greedy(n=3), use_tqdm=False, lora_request=loras["full"]
     )
     _check(outputs, prompts, ["full", "full"], base, refs)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral", "olmo2", "granite", "gemma2", "gemma3_text"])
+def test_every_dense_family_takes_adapters(family, tmp_path):
+    """The other dense families' attention and MLP projections, in one mixed batch."""
+    base_folder = str(tmp_path / "base")
+    base = save_tiny(family, base_folder, **LLM_SHAPE)
+    refs = {"full": save_adapter(base_folder, str(tmp_path / "full"), r=8, targets=ATTENTION + MLP, seed=4)}
+    lora = LoRARequest("full", 1, str(tmp_path / "full"))
+    llm = make_llm(base_folder, enable_lora=True, max_loras=1, max_lora_rank=8)
+    prompts = DENSE.prompts(4, 5, 30, seed=6)
+    choice = [None, "full", None, "full"]
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        _greedy(),
+        use_tqdm=False,
+        lora_request=[lora if c else None for c in choice],
+    )
+    _check(outputs, prompts, choice, base, refs)
