@@ -59,6 +59,29 @@ def get_architecture(name: str) -> Architecture:
         ) from None
 
 
+def resolve_model_impl(name: str, model_impl: str = "auto") -> str:
+    """Which code runs `name`: "tokenos" (a native class here) or "transformers" (the transformers backend,
+    `tokenos.models.transformers_backend`). "auto" prefers the native class and falls back to the backend
+    for a causal LM transformers knows; "tokenos" (or vLLM's "vllm") insists on native code; "transformers"
+    takes the backend for every architecture. ValueError when nothing runs it."""
+    choice = str(model_impl).lower()
+    if choice == "transformers":
+        return "transformers"
+    if choice not in ("auto", "tokenos", "vllm"):
+        raise ValueError(f"model_impl={model_impl!r}: choose auto, tokenos (alias vllm) or transformers")
+    if name in ARCHITECTURES or choice != "auto":
+        get_architecture(name)  # ValueError for an unknown architecture, as without a backend
+        return "tokenos"
+    from tokenos.models.transformers_backend import transformers_causal_lm_architectures
+
+    if name in transformers_causal_lm_architectures():
+        return "transformers"
+    raise ValueError(
+        f"Unsupported architecture {name!r}: neither tokenos nor transformers implements it; "
+        f"native: {', '.join(ARCHITECTURES)}"
+    )
+
+
 def model_class(name: str) -> type[nn.Module]:
     entry = get_architecture(name)
     module = importlib.import_module(f"tokenos.models.{entry.module}")
