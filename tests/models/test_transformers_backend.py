@@ -203,3 +203,16 @@ def test_refuses_quantization_and_gguf(make_checkpoint, tmp_path):
     gguf.write_bytes(b"")
     with pytest.raises(ValueError, match="needs a Hugging Face folder"):
         load_model_config(str(gguf), model_impl="transformers")
+
+
+def test_serve_flag_reaches_the_engine_args():
+    from tokenos.engine.args import EngineArgs
+    from tokenos.engine.flags import engine_kwargs
+    from tokenos.entrypoints.openai.cli_args import parse_serve_args
+
+    assert EngineArgs(
+        **engine_kwargs(parse_serve_args(["m", "--model-impl", "transformers"]))
+    ).model_impl == ("transformers")
+    assert EngineArgs(**engine_kwargs(parse_serve_args(["m"]))).model_impl == "auto"
+    with pytest.raises(SystemExit):
+        parse_serve_args(["m", "--model-impl", "onnx"])  # not a choice: argparse names the choices

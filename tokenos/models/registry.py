@@ -4,7 +4,8 @@ An entry names the module and class that implement an architecture (imported onl
 built, so resolving a config stays light) and the config defaults that tell it apart from its family's
 base (Qwen2's q/k/v bias, Qwen3's q/k norm). `tokenos.models.config` validates a checkpoint's
 architecture against this table; GGUF files map their own architecture names onto it in
-`tokenos.model_loader.gguf_loader`.
+`tokenos.model_loader.gguf_loader`. An architecture it lacks may still run on the transformers backend
+(`resolve_model_impl`, `tokenos.models.transformers_backend`).
 """
 
 from __future__ import annotations
