@@ -193,6 +193,19 @@ def test_refuses_an_architecture_nobody_implements(tmp_path):
         load_model_config(str(tmp_path / "m"), model_impl="transformers")
 
 
+def test_refuses_architectures_that_disagree_with_the_model_type(make_checkpoint):
+    from tokenos.models import load_model_config
+
+    folder, _ = make_checkpoint("llama")
+    with open(f"{folder}/config.json") as f:
+        raw = json.load(f)
+    raw["architectures"] = ["GPT2LMHeadModel"]  # transformers would build a Llama from this config
+    with open(f"{folder}/config.json", "w") as f:
+        json.dump(raw, f)
+    with pytest.raises(ValueError, match="model_type 'llama' builds LlamaForCausalLM"):
+        load_model_config(folder)
+
+
 def test_refuses_quantization_and_gguf(make_checkpoint, tmp_path):
     from tokenos.models import build_model, load_model_config
 

@@ -79,7 +79,7 @@ def resolve_model_impl(name: str, model_impl: str = "auto") -> str:
         return "transformers"
     raise ValueError(
         f"Unsupported architecture {name!r}: neither tokenos nor transformers implements it; "
-        f"native: {', '.join(ARCHITECTURES)}"
+        f"supported: {', '.join(ARCHITECTURES)} and transformers' causal LMs (the transformers backend)"
     )
 
 

@@ -82,6 +82,19 @@ def check_supported(architecture: str, hf_config: Any) -> None:
         )
 
 
+def _check_model_type(architecture: str, model_type: str) -> None:
+    """transformers builds the class its auto mapping gives ``model_type``; refuse a config whose
+    ``architectures`` names another, rather than run a model the checkpoint does not describe."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    built = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    if built != architecture:
+        raise ValueError(
+            f"config.json names {architecture} but its model_type {model_type!r} builds {built} in "
+            "transformers; fix the config's architectures or model_type"
+        )
+
+
 def layer_sliding_windows(hf_config: Any) -> tuple[int | None, ...]:
     """Each layer's attention window: ``layer_types`` says which layers slide, else the config's one
     ``sliding_window`` (or none) holds for every layer. The attention function checks it per call."""
@@ -98,7 +111,9 @@ def model_config_fields(folder: str, architecture: str) -> dict[str, Any]:
     from transformers import AutoConfig
 
     require_causal_lm(architecture)
-    hf_config = AutoConfig.from_pretrained(folder).get_text_config()
+    config = AutoConfig.from_pretrained(folder)
+    _check_model_type(architecture, config.model_type)
+    hf_config = config.get_text_config()
     check_supported(architecture, hf_config)
     with open(os.path.join(folder, "config.json")) as f:
         raw = json.load(f)
