@@ -6,6 +6,7 @@ hits; and how `model_impl` picks (or refuses) an implementation."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import pytest
@@ -132,6 +133,33 @@ def test_bfloat16_close_to_float32(make_checkpoint):
 
 
 # ------------------------------------------------------------------ choosing the implementation
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_start_up_log_names_the_implementation(make_checkpoint):
+    # tokenos's loggers do not propagate to the root (tokenos.logger), so listen on ours directly.
+    records, logger = _Records(), logging.getLogger("tokenos.models")
+    level = logger.level
+    logger.addHandler(records)
+    logger.setLevel(logging.INFO)
+    try:
+        load_ours(make_checkpoint("gpt_neox")[0])
+        load_ours(make_checkpoint("llama")[0])
+    finally:
+        logger.removeHandler(records)
+        logger.setLevel(level)
+    assert records.lines == [
+        "GPTNeoXForCausalLM: transformers implementation",
+        "LlamaForCausalLM: tokenos implementation",
+    ]
 
 
 def test_auto_picks_native_where_it_exists_and_the_backend_elsewhere(make_checkpoint):
