@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from tests.fixtures.checkpoints import load_ours
+from tests.fixtures.checkpoints import DENSE_FAMILIES, load_ours
 from tests.fixtures.paged_runner import PagedRunner, assert_close_logits, hf_logits
 from tokenos.config import CacheConfig
 from tokenos.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
@@ -117,6 +117,21 @@ def test_forced_backend_matches_the_native_model(make_checkpoint):
         logits.append(torch.cat([runner.request_logits(0), runner.request_logits(1)]))
     assert_close_logits(logits[1], logits[0], rel=TOLERANCE)
     assert torch.equal(logits[1].argmax(-1), logits[0].argmax(-1))
+
+
+@pytest.mark.parametrize("family", [f for f in DENSE_FAMILIES if f != "llama"])
+def test_every_native_dense_family_forced_onto_the_backend_matches(make_checkpoint, family):
+    """What the backend must get right beyond the cases above, each in some native family: Gemma 2's
+    attention and final soft caps, Gemma 3's and Qwen2's per-layer windows, Granite's logit scaling,
+    Phi-3's fused projections, the MoE blocks."""
+    folder, reference = make_checkpoint(family)
+    model, _ = load_ours(folder, model_impl="transformers")
+    runner = PagedRunner(model, block_size=16)
+    runner.step([(0, PROMPT[:20]), (1, PROMPT[3:12])])
+    for token in PROMPT[20:30]:
+        runner.step([(0, [token])])
+    assert_close_logits(runner.request_logits(0), hf_logits(reference, PROMPT[:30]), rel=TOLERANCE)
+    assert_close_logits(runner.request_logits(1), hf_logits(reference, PROMPT[3:12]), rel=TOLERANCE)
 
 
 def test_bfloat16_close_to_float32(make_checkpoint):
