@@ -1,5 +1,5 @@
 """The transformers backend (`tokenos.models.transformers_backend`) against transformers itself, over the
-engine's paged pool (`PagedRunner`): three families tokenos has no native code for and Llama forced onto
+engine's paged pool (`PagedRunner`): five families tokenos has no native code for and Llama forced onto
 the backend, logits within float32 tolerance per position under chunked prefill, mixed batches and prefix
 hits; and how `model_impl` picks (or refuses) an implementation."""
 
@@ -22,6 +22,8 @@ CASES = {
     "gpt_neox_partial_rotary_mha": "gpt_neox",
     "starcoder2_sliding_window": "starcoder2",
     "cohere_qk_norm_logit_scale": "cohere",
+    "opt_prescaled_q_projected_embeddings": "opt",
+    "gpt2_learned_positions": "gpt2",
     "llama_forced": "llama",  # has a native implementation: model_impl="transformers" forces the backend
 }
 PROMPT = [(i * 37 + 11) % 120 + 3 for i in range(45)]

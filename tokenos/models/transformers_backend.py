@@ -168,14 +168,17 @@ def paged_attention_forward(
     """transformers' attention-function signature over our paged pool: q [1, H, T, D], k / v
     [1, KVH, T, D] (one flattened step) -> ([1, T, H, D], no weights). The module's attached `Attention`
     writes k / v into its pages and attends; every setting transformers passes is checked against what
-    that layer declared to the KV-cache manager, since a mismatch would silently change the results."""
+    that layer declared to the KV-cache manager (a mismatch would silently change the results); the softmax
+    scale is the call's."""
     batch: ForwardBatch | None = kwargs.get(BATCH_KWARG)
     layer: Attention | None = getattr(module, ATTACHED_NAME, None)
     if batch is None or layer is None:
         raise RuntimeError(
             f"the {ATTN_IMPLEMENTATION!r} attention runs only inside tokenos's TransformersCausalLM.forward"
         )
-    _check_call(module, layer, query, key, scaling, sliding_window, softcap, dropout)
+    _check_call(module, layer, query, key, sliding_window, softcap, dropout)
+    if scaling is not None:  # the call's: OPT scales q itself and passes 1.0; no page depends on it
+        layer.scale = scaling
     num_tokens = query.shape[2]
     q = query[0].transpose(0, 1).contiguous()  # [T, H, D]: the layout the C prefill kernel reads
     k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
@@ -188,7 +191,6 @@ def _check_call(
     layer: Attention,
     query: torch.Tensor,
     key: torch.Tensor,
-    scaling: float | None,
     sliding_window: int | None,
     softcap: float | None,
     dropout: float,
@@ -201,8 +203,6 @@ def _check_call(
         )
     if query.shape[-1] != layer.head_size:
         raise RuntimeError(f"{where}: head size {query.shape[-1]}, declared {layer.head_size}")
-    if scaling is not None and abs(scaling - layer.scale) > 1e-12 * abs(layer.scale):
-        raise RuntimeError(f"{where}: softmax scale {scaling}, declared {layer.scale}")
     if sliding_window != layer.sliding_window:
         raise RuntimeError(f"{where}: sliding window {sliding_window}, declared {layer.sliding_window}")
     if softcap != layer.logit_softcap:
