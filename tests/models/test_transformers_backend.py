@@ -211,6 +211,7 @@ def _config_folder(tmp_path, config) -> str:
         # recurrent layers: LFM2's short convolutions, GraniteMoeHybrid's Mamba2 (native code exists)
         ("Lfm2Config", {"layer_types": ["conv", "full_attention"]}, "conv layers"),
         ("GraniteMoeHybridConfig", {"layer_types": ["mamba", "attention"]}, "linear_attention layers"),
+        ("DeepseekV3Config", {"num_attention_heads": 4, "kv_lora_rank": 16}, "multi-head latent attention"),
     ],
 )
 def test_refuses_what_the_backend_cannot_page(tmp_path, config_class, fields, message):

@@ -13,7 +13,8 @@ apart.
 
 What a model needs: its transformers class says ``_supports_attention_backend`` (its attention goes
 through the registry and forwards our keyword arguments to it), every decoder layer is full or
-sliding-window attention, and it is decoder-only. Anything else is refused at config time with a
+sliding-window attention with K and V of one head size (no multi-head latent attention), and it is
+decoder-only. Anything else is refused at config time with a
 ValueError. The LM head is the model's output embeddings; the logit transforms a ``*ForCausalLM`` applies
 after it (Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma's final soft cap) are repeated in
 `compute_logits`.
@@ -73,6 +74,11 @@ def check_supported(architecture: str, hf_config: Any) -> None:
             f"transformers' {architecture} does not route its attention through the AttentionInterface "
             "registry (_supports_attention_backend is False), so tokenos cannot page its KV cache; use an "
             "architecture with a native implementation (tokenos.models.registry.ARCHITECTURES)"
+        )
+    if getattr(hf_config, "kv_lora_rank", None):
+        raise ValueError(
+            f"{architecture} uses multi-head latent attention (K and V of different head sizes), which "
+            "tokenos's attention pages do not hold; it needs a native implementation"
         )
     other = sorted(set(getattr(hf_config, "layer_types", None) or ()) - set(_ATTENTION_LAYER_TYPES))
     if other:
@@ -176,7 +182,7 @@ def paged_attention_forward(
         raise RuntimeError(
             f"the {ATTN_IMPLEMENTATION!r} attention runs only inside tokenos's TransformersCausalLM.forward"
         )
-    _check_call(module, layer, query, key, sliding_window, softcap, dropout)
+    _check_call(module, layer, query, key, value, sliding_window, softcap, dropout)
     if scaling is not None:  # the call's: OPT scales q itself and passes 1.0; no page depends on it
         layer.scale = scaling
     num_tokens = query.shape[2]
@@ -191,6 +197,7 @@ def _check_call(
     layer: Attention,
     query: torch.Tensor,
     key: torch.Tensor,
+    value: torch.Tensor,
     sliding_window: int | None,
     softcap: float | None,
     dropout: float,
@@ -201,8 +208,10 @@ def _check_call(
             f"{where}: q {tuple(query.shape)} / k {tuple(key.shape)} do not match the declared "
             f"{layer.num_heads} heads / {layer.num_kv_heads} KV heads of {layer.head_size}"
         )
-    if query.shape[-1] != layer.head_size:
-        raise RuntimeError(f"{where}: head size {query.shape[-1]}, declared {layer.head_size}")
+    if query.shape[-1] != layer.head_size or value.shape[-1] != layer.head_size:
+        raise RuntimeError(
+            f"{where}: q / v head sizes {query.shape[-1]} / {value.shape[-1]}, declared {layer.head_size}"
+        )
     if sliding_window != layer.sliding_window:
         raise RuntimeError(f"{where}: sliding window {sliding_window}, declared {layer.sliding_window}")
     if softcap != layer.logit_softcap:
