@@ -14,6 +14,8 @@ HASH_ALGOS = ("sha256", "xxhash", "blake2b")
 # Weight quantization (--quantization): see tokenos.models.config.resolve_quantization.
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4", "gptq", "awq")
 MAMBA_CACHE_MODES = ("align", "none", "all")
+# --model-impl (vLLM's flag; "vllm" is its name for native code): tokenos.models.registry.resolve_model_impl.
+MODEL_IMPL_CHOICES = ("auto", "tokenos", "vllm", "transformers")
 # --kv-cache-dtype values (vLLM's names) -> the canonical dtype name KV-cache specs carry; "auto" is
 # the model's dtype (tokenos.platform.kv_cache_dtype_name). fp8 is vLLM's alias of fp8_e4m3 (OCP e4m3fn:
 # 4 exponent bits, 3 mantissa bits, finite range +-448, no infinities).

@@ -44,7 +44,7 @@ def test_unsupported_architecture_lists_supported(make_checkpoint):
     folder, _ = make_checkpoint("llama")
     with open(f"{folder}/config.json") as f:
         raw = json.load(f)
-    raw["architectures"] = ["GPT2LMHeadModel"]
+    raw["architectures"] = ["NoSuchForCausalLM"]  # neither native nor known to transformers
     with open(f"{folder}/config.json", "w") as f:
         json.dump(raw, f)
     with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):

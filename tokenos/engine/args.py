@@ -33,6 +33,8 @@ class EngineArgs:
     dtype: str = "auto"
     # Weights: None / "auto" (the checkpoint's own: GGUF blocks stay quantized), "none", "int8", "int4".
     quantization: str | None = None
+    # Model code: "auto" (native where tokenos has it, else transformers), "tokenos" / "vllm", "transformers".
+    model_impl: str = "auto"
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
@@ -95,7 +97,11 @@ class EngineArgs:
         self.speculative()  # ValueError on a bad or unbuilt speculative_config, before loading anything
         self.lora_config()
         model_config = load_model_config(
-            self.model, dtype=self.dtype, max_model_len=self.max_model_len, quantization=self.quantization
+            self.model,
+            dtype=self.dtype,
+            max_model_len=self.max_model_len,
+            quantization=self.quantization,
+            model_impl=self.model_impl,
         )
         scheduler_config = SchedulerConfig(
             max_num_seqs=self.max_num_seqs,

@@ -49,6 +49,7 @@ class AsyncLLM:
             dtype=engine_args.dtype,
             max_model_len=engine_args.max_model_len,
             quantization=engine_args.quantization,
+            model_impl=engine_args.model_impl,
         )
         self.served_model_name = engine_args.served_model_name or model_name(self.model_config)
         # Request defaults from the model's generation config, read once for every endpoint.

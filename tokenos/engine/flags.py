@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenos.config import HASH_ALGOS, KV_CACHE_DTYPE_CHOICES, QUANTIZATION_CHOICES
+from tokenos.config import HASH_ALGOS, KV_CACHE_DTYPE_CHOICES, MODEL_IMPL_CHOICES, QUANTIZATION_CHOICES
 
 logger = logging.getLogger("tokenos.flags")
 
@@ -132,6 +132,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         " quantized), none (all dense), int8 or int4 (weight-only, quantized at load), gptq or awq (the"
         " checkpoint's own, named)",
         choices=QUANTIZATION_CHOICES,
+    ),
+    Flag(
+        ("--model-impl",),
+        "model_impl",
+        "model code: auto (native where tokenos has it, else transformers), tokenos (alias vllm), or"
+        " transformers (any causal LM whose attention goes through transformers' AttentionInterface)",
+        choices=MODEL_IMPL_CHOICES,
     ),
     Flag(
         ("--max-model-len",),
@@ -320,7 +327,6 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
     VllmFlag(("--download-dir",), "nothing is downloaded: MODEL is a local folder or file"),
     VllmFlag(("--device",), "the CPU is the device", harmless=_is("cpu", "auto")),
     VllmFlag(("--load-format",), "weights load from safetensors or GGUF as found", harmless=_is("auto")),
-    VllmFlag(("--model-impl",), "tokenos's own model code", harmless=_is("auto", "vllm")),
     VllmFlag(
         ("--tensor-parallel-size", "-tp"), "one CPU process: no tensor parallelism yet", harmless=_is(1)
     ),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import torch
 from torch import nn
@@ -11,9 +12,16 @@ from tokenos.model_loader import load_weights
 from tokenos.models.config import ModelConfig
 from tokenos.models.registry import model_class
 
+logger = logging.getLogger("tokenos.models")
+
 
 def build_model(model_config: ModelConfig, load: bool = True) -> nn.Module:
     """Instantiate the model in ``model_config.dtype`` and (by default) load its checkpoint."""
+    logger.info("%s: %s implementation", model_config.architecture, model_config.model_impl)
+    if model_config.model_impl == "transformers":
+        from tokenos.models.transformers_backend import TransformersCausalLM
+
+        return TransformersCausalLM(model_config)  # transformers loads the checkpoint itself
     previous = torch.get_default_dtype()
     torch.set_default_dtype(model_config.dtype)
     try:

@@ -19,7 +19,7 @@ from tokenos.config import QUANTIZATION_CHOICES
 from tokenos.model_loader.embedded import default_model_path
 from tokenos.model_loader.gguf_loader import read_gguf_config
 from tokenos.model_loader.gptq_awq import PREQUANTIZED_METHODS, parse_quantization_config
-from tokenos.models.registry import get_architecture
+from tokenos.models.registry import get_architecture, resolve_model_impl
 from tokenos.platform import dtype_name, native_bf16_supported, torch_dtype
 
 
@@ -53,6 +53,8 @@ class ModelConfig:
     # Weight quantization (`resolve_quantization`): "gguf" (GGUF blocks kept), "int8" / "int4" (online),
     # "gptq" / "awq" (a pre-quantized HF checkpoint's int4 groups kept), or None (dense weights).
     quantization: str | None = None
+    # Whose code runs the model: "tokenos" (native) or "transformers" (tokenos.models.transformers_backend).
+    model_impl: str = "tokenos"
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -133,12 +135,16 @@ def load_model_config(
     dtype: str | torch.dtype = "auto",
     max_model_len: int | None = None,
     quantization: str | None = None,
+    model_impl: str = "auto",
 ) -> ModelConfig:
-    """Resolve a ModelConfig from an HF folder, a GGUF file, or (None) the embedded default."""
+    """Resolve a ModelConfig from an HF folder, a GGUF file, or (None) the embedded default;
+    ``model_impl`` as `tokenos.models.registry.resolve_model_impl` takes it."""
     path = default_model_path() if path is None else path
     if os.path.isdir(path):
-        fields = _fields_from_hf(path)
+        fields = _fields_from_hf(path, model_impl)
     elif path.endswith(".gguf") and os.path.isfile(path):
+        if str(model_impl).lower() == "transformers":
+            raise ValueError("model_impl='transformers' needs a Hugging Face folder, not a .gguf file")
         fields = read_gguf_config(path)
     else:
         raise FileNotFoundError(f"{path!r} is neither a Hugging Face model folder nor a .gguf file")
@@ -158,7 +164,7 @@ def _resolve_max_model_len(derived: int, requested: int | None) -> int:
     return requested
 
 
-def _fields_from_hf(folder: str) -> dict[str, Any]:
+def _fields_from_hf(folder: str, model_impl: str = "auto") -> dict[str, Any]:
     config_file = os.path.join(folder, "config.json")
     if not os.path.isfile(config_file):
         raise FileNotFoundError(f"{folder} has no config.json; is it a Hugging Face model folder?")
@@ -168,6 +174,10 @@ def _fields_from_hf(folder: str) -> dict[str, Any]:
         cfg["num_hidden_layers"] = len(cfg["layers_block_type"])  # NemotronH as transformers 5 saves it
     architectures = cfg.get("architectures") or []
     architecture = architectures[0] if architectures else "<missing architectures>"
+    if resolve_model_impl(architecture, model_impl) == "transformers":
+        from tokenos.models.transformers_backend import model_config_fields
+
+        return model_config_fields(folder, architecture)
     flags = get_architecture(architecture).defaults
     # Pure Mamba2 configs have no attention heads or MLP: fall back to the mixer's heads and expand.
     num_heads = cfg.get("num_attention_heads") or cfg["num_heads"]

@@ -4,7 +4,8 @@ An entry names the module and class that implement an architecture (imported onl
 built, so resolving a config stays light) and the config defaults that tell it apart from its family's
 base (Qwen2's q/k/v bias, Qwen3's q/k norm). `tokenos.models.config` validates a checkpoint's
 architecture against this table; GGUF files map their own architecture names onto it in
-`tokenos.model_loader.gguf_loader`.
+`tokenos.model_loader.gguf_loader`. An architecture it lacks may still run on the transformers backend
+(`resolve_model_impl`, `tokenos.models.transformers_backend`).
 """
 
 from __future__ import annotations
@@ -57,6 +58,29 @@ def get_architecture(name: str) -> Architecture:
         raise ValueError(
             f"Unsupported architecture {name!r}; supported: {', '.join(ARCHITECTURES)}"
         ) from None
+
+
+def resolve_model_impl(name: str, model_impl: str = "auto") -> str:
+    """Which code runs `name`: "tokenos" (a native class here) or "transformers" (the transformers backend,
+    `tokenos.models.transformers_backend`). "auto" prefers the native class and falls back to the backend
+    for a causal LM transformers knows; "tokenos" (or vLLM's "vllm") insists on native code; "transformers"
+    takes the backend for every architecture. ValueError when nothing runs it."""
+    choice = str(model_impl).lower()
+    if choice == "transformers":
+        return "transformers"
+    if choice not in ("auto", "tokenos", "vllm"):
+        raise ValueError(f"model_impl={model_impl!r}: choose auto, tokenos (alias vllm) or transformers")
+    if name in ARCHITECTURES or choice != "auto":
+        get_architecture(name)  # ValueError for an unknown architecture, as without a backend
+        return "tokenos"
+    from tokenos.models.transformers_backend import transformers_causal_lm_architectures
+
+    if name in transformers_causal_lm_architectures():
+        return "transformers"
+    raise ValueError(
+        f"Unsupported architecture {name!r}: neither tokenos nor transformers implements it; "
+        f"supported: {', '.join(ARCHITECTURES)} and transformers' causal LMs (the transformers backend)"
+    )
 
 
 def model_class(name: str) -> type[nn.Module]:
