@@ -275,3 +275,19 @@ def test_serve_flag_reaches_the_engine_args():
     assert EngineArgs(**engine_kwargs(parse_serve_args(["m"]))).model_impl == "auto"
     with pytest.raises(SystemExit):
         parse_serve_args(["m", "--model-impl", "onnx"])  # not a choice: argparse names the choices
+
+
+def test_refuses_a_logit_transform_it_does_not_repeat(make_checkpoint, monkeypatch):
+    """Without Cohere's logit scale in compute_logits the start-up check sees the LM head's output
+    transformed differently from transformers' forward, and refuses rather than serve wrong logits."""
+    folder, _ = make_checkpoint("cohere")
+    raw = TransformersCausalLM.compute_logits
+
+    def unscaled(self, hidden):
+        return self.hf.get_output_embeddings()(hidden).float()
+
+    monkeypatch.setattr(TransformersCausalLM, "compute_logits", unscaled)
+    with pytest.raises(ValueError, match="does not repeat"):
+        load_ours(folder, model_impl="transformers")
+    monkeypatch.setattr(TransformersCausalLM, "compute_logits", raw)
+    assert isinstance(load_ours(folder, model_impl="transformers")[0], TransformersCausalLM)

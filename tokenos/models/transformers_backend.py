@@ -17,7 +17,8 @@ sliding-window attention with K and V of one head size (no multi-head latent att
 decoder-only. Anything else is refused at config time with a
 ValueError. The LM head is the model's output embeddings; the logit transforms a ``*ForCausalLM`` applies
 after it (Cohere's ``logit_scale``, Granite's ``logits_scaling``, Gemma's final soft cap) are repeated in
-`compute_logits`.
+`compute_logits`, and at load both paths run on a few tokens (transformers' eager attention): a model
+whose forward transforms the LM head's output any other way is refused, never served with wrong logits.
 """
 
 from __future__ import annotations
@@ -265,6 +266,27 @@ class TransformersCausalLM(nn.Module):
         for module, window in zip(modules, config.layer_sliding_windows, strict=True):
             module.add_module(ATTACHED_NAME, self._attention_for(module, hf_config, window))
         self._cache_layers = bind_cache_layers(self)
+        self._check_logits_path()
+
+    @torch.inference_mode()
+    def _check_logits_path(self) -> None:
+        """Refuse a model whose ``*ForCausalLM.forward`` does to the LM head's output something
+        `compute_logits` does not repeat (it would serve wrong logits silently): both paths on a few tokens,
+        with transformers' own eager attention for once."""
+        ids = torch.arange(1, min(9, self.config.vocab_size)).unsqueeze(0)
+        self.hf.set_attn_implementation("eager")
+        try:
+            want = self.hf(input_ids=ids, use_cache=False).logits[0].float()
+            got = self.compute_logits(self.hf.base_model(input_ids=ids, use_cache=False).last_hidden_state[0])
+        finally:
+            self.hf.set_attn_implementation(ATTN_IMPLEMENTATION)
+        tolerance = 1e-3 * max(float(want.abs().max()), 1.0)
+        if got.shape != want.shape or float((got - want).abs().max()) > tolerance:
+            raise ValueError(
+                f"{self.config.architecture}'s forward transforms the LM head's output in a way the "
+                "transformers backend does not repeat, so its logits would be wrong; it needs a native "
+                "implementation"
+            )
 
     def _attention_for(self, module: nn.Module, hf_config: Any, window: int | None) -> Attention:
         """Our paged layer for one transformers attention module, shaped as the module computes: a config
