@@ -123,3 +123,21 @@ def test_every_dense_family_takes_adapters(family, tmp_path):
         lora_request=[lora if c else None for c in choice],
     )
     _check(outputs, prompts, choice, base, refs)
+
+
+def test_speculative_decoding_under_adapters(setup):
+    """n-gram drafts verified in the adapters' own forward pass: greedy output unchanged, drafts accepted."""
+    base_folder, base, refs, loras = setup
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    llm = make_llm(base_folder, enable_lora=True, max_loras=2, max_lora_rank=16, speculative_config=spec)
+    motifs = DENSE.prompts(3, 4, 6, seed=9)
+    prompts = [(m * 6)[:30] for m in motifs]  # repeats for prompt lookup to find
+    choice = ["small", "full", None]
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        _greedy(),
+        use_tqdm=False,
+        lora_request=[loras[c] if c else None for c in choice],
+    )
+    _check(outputs, prompts, choice, base, refs)
+    assert llm.get_metrics()["spec_decoding"]["num_draft_tokens"] > 0
