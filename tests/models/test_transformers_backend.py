@@ -291,3 +291,18 @@ def test_refuses_a_logit_transform_it_does_not_repeat(make_checkpoint, monkeypat
         load_ours(folder, model_impl="transformers")
     monkeypatch.setattr(TransformersCausalLM, "compute_logits", raw)
     assert isinstance(load_ours(folder, model_impl="transformers")[0], TransformersCausalLM)
+
+
+def test_refuses_attention_with_its_own_parameters(tmp_path):
+    """gpt-oss's attention sinks are a parameter of the attention module: the paged layer would drop
+    them, so the backend refuses the model instead of serving it wrong."""
+    from transformers import AutoModelForCausalLM, GptOssConfig
+
+    config = GptOssConfig(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=128, num_local_experts=4, num_experts_per_tok=2,
+        sliding_window=8, max_position_embeddings=256,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(tmp_path))
+    with pytest.raises(ValueError, match="sinks"):
+        load_ours(str(tmp_path), model_impl="transformers")

@@ -183,6 +183,9 @@ def paged_attention_forward(
         raise RuntimeError(
             f"the {ATTN_IMPLEMENTATION!r} attention runs only inside tokenos's TransformersCausalLM.forward"
         )
+    unknown = sorted(set(kwargs) - _BENIGN_KWARGS)
+    if unknown:  # something that shapes the attention (sinks, a custom mask) would be silently dropped
+        raise RuntimeError(f"the {ATTN_IMPLEMENTATION!r} attention does not take {', '.join(unknown)}")
     _check_call(module, layer, query, key, value, sliding_window, softcap, dropout)
     if scaling is not None:  # the call's: OPT scales q itself and passes 1.0; no page depends on it
         layer.scale = scaling
@@ -219,6 +222,21 @@ def _check_call(
         raise RuntimeError(f"{where}: attention soft cap {softcap}, declared {layer.logit_softcap}")
     if dropout:
         raise RuntimeError(f"{where}: attention dropout {dropout} (the model must be in eval mode)")
+
+
+# What transformers' attention modules pass that does not change the attention's result.
+_BENIGN_KWARGS = frozenset({BATCH_KWARG, "position_ids", "use_cache", "cache_position", "output_attentions"})
+
+
+def _refuse_own_attention_parameters(modules: list[nn.Module], architecture: str) -> None:
+    """An attention module's own parameters (beside its projections and norms) feed the attention math
+    itself, as gpt-oss's ``sinks`` do; the paged layer would leave them out, so the model is refused."""
+    own = sorted({name for m in modules for name, _ in m.named_parameters(recurse=False)})
+    if own:
+        raise ValueError(
+            f"{architecture}'s attention has its own parameters ({', '.join(own)}: attention sinks or the "
+            "like) that tokenos's paged attention does not compute; it needs a native implementation"
+        )
 
 
 def _register_attention() -> None:
@@ -263,6 +281,7 @@ class TransformersCausalLM(nn.Module):
         ).eval()
         hf_config = self.hf.config.get_text_config()
         modules = _attention_modules(self.hf, config.num_hidden_layers)
+        _refuse_own_attention_parameters(modules, config.architecture)
         for module, window in zip(modules, config.layer_sliding_windows, strict=True):
             module.add_module(ATTACHED_NAME, self._attention_for(module, hf_config, window))
         self._cache_layers = bind_cache_layers(self)
