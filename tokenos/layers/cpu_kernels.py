@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(
-    _CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "step_ops.c", "qlinear.c")
+    _CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "step_ops.c", "qlinear.c", "lora.c")
 )
 _HEADERS = (_CSRC / "vec_math.h",)
 MAX_HEAD_SIZE = 512  # MAX_HEAD in the C source
@@ -46,6 +46,30 @@ _QLINEAR_SIGNATURES = {
     "qgemm_bf16_desc": [_P, _P, _I64, _I64, _P, _I64, _I],
     "qgemm_f32_desc": [_P, _P, _I64, _I64, _P, _I64],
 }
+
+
+class LoRAPiece(ctypes.Structure):
+    """csrc/lora.c's ``lora_piece``: one adapted shard's output columns, its rows of t, its scaled B^T."""
+
+    _fields_ = [
+        ("offset", ctypes.c_int64),
+        ("size", ctypes.c_int64),
+        ("r0", ctypes.c_int32),
+        ("rows", ctypes.c_int32),
+        ("bt", ctypes.c_void_p),
+    ]
+
+
+class LoRADesc(ctypes.Structure):
+    """csrc/lora.c's ``lora_desc``: one adapter on one linear (A [rank, K] and up to three pieces)."""
+
+    _fields_ = [
+        ("a", ctypes.c_void_p),
+        ("rank", ctypes.c_int32),
+        ("num_pieces", ctypes.c_int32),
+        ("K", ctypes.c_int64),
+        ("pieces", LoRAPiece * 3),
+    ]
 
 
 class QDesc(ctypes.Structure):
@@ -141,7 +165,20 @@ def load() -> ctypes.CDLL | None:
     for name, argtypes in _QLINEAR_SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
+    for suffix in DTYPES.values():
+        getattr(lib, f"lora_apply_{suffix}").argtypes = [_P, _I64, _P, _I64, _I64, _P]
+        getattr(lib, f"lora_apply_{suffix}").restype = None
+    lib.lora_max_rank.argtypes = []
     return lib
+
+
+def lora_kernel(dtype: torch.dtype):
+    """csrc/lora.c's ``lora_apply_*`` for tensors of ``dtype`` (x, x's row stride, y, y's row stride,
+    tokens, a `LoRADesc` address), or None without the library; and the most t entries it takes."""
+    lib = load()
+    if lib is None or dtype not in DTYPES:
+        return None, 0
+    return getattr(lib, f"lora_apply_{DTYPES[dtype]}"), lib.lora_max_rank()
 
 
 @cache

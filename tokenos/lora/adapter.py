@@ -7,8 +7,8 @@ output gains ``scale * B (A x)`` with scale ``lora_alpha / r`` (``/ sqrt(r)`` un
 
 Our models fuse q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` (`FUSED_QKV_GATE_UP`), so an
 adapter's ``q_proj`` lands on the q rows of ``qkv_proj``. Per fused module the pieces are stacked once
-at load: ``A^T`` as [in, sum r] and ``B^T`` as [sum r, out] with each piece's scaled B in its own rows
-and output columns (zeros elsewhere), so one step applies the module's whole adapter with two matmuls.
+at load: ``A`` as [sum r, in] (one shrink for all of them) and, per piece, its scaled ``B^T`` [r, size]
+with the output columns it adds to (no zeros for the shards it leaves alone).
 
 Everything an adapter could get wrong is refused here, naming the module and the shapes: a different
 base model (shapes that do not fit), a rank above ``max_lora_rank``, targets we do not adapt (embeddings,
@@ -23,6 +23,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -55,11 +56,23 @@ class AdapterInfo:
 
 
 @dataclass
-class ModuleWeights:
-    """One adapted linear's stacked pieces: ``y += (x @ a_t) @ b_t``."""
+class Piece:
+    """One adapted shard: ``y[:, offset : offset + size] += t[:, r0 : r0 + rows] @ bt``."""
 
-    a_t: torch.Tensor  # [in, sum r]
-    b_t: torch.Tensor  # [sum r, out], scale folded in
+    offset: int
+    size: int
+    r0: int
+    rows: int
+    bt: torch.Tensor  # [rows, size], scale folded in
+
+
+@dataclass
+class ModuleWeights:
+    """One adapter on one linear: ``t = x @ a^T``, then each piece adds its columns."""
+
+    a: torch.Tensor  # [sum r, in]
+    pieces: list[Piece]
+    desc: Any = None  # the C kernel's descriptor of the above (`tokenos.lora.layers`), once made
 
 
 def content_hash(path: str) -> str:
@@ -220,12 +233,11 @@ def _stack(
     scale: float,
     dtype: torch.dtype,
 ) -> ModuleWeights:
-    ranks = [a.shape[0] for _, a, _ in parts]
-    a_t = torch.cat([a for _, a, _ in parts]).t().to(dtype).contiguous()
-    b_t = torch.zeros(sum(ranks), module.output_size, dtype=torch.float32)
-    row = 0
-    for (shard, _, b), r in zip(parts, ranks, strict=True):
+    pieces, r0 = [], 0
+    for shard, a, b in parts:
         offset, size = (0, module.output_size) if shard is None else module.shard_offset(shard)
-        b_t[row : row + r, offset : offset + size] = scale * b.float().t()
-        row += r
-    return ModuleWeights(a_t, b_t.to(dtype))
+        bt = (scale * b.float()).t().to(dtype).contiguous()
+        pieces.append(Piece(offset, size, r0, a.shape[0], bt))
+        r0 += a.shape[0]
+    a = torch.cat([a for _, a, _ in parts]).to(dtype).contiguous()
+    return ModuleWeights(a, sorted(pieces, key=lambda p: p.offset))

@@ -105,7 +105,7 @@ class LoRAManager:
 
     def _install(self, key: str, weights: dict[str, ModuleWeights]) -> None:
         for module, w in weights.items():
-            self._layer(module).weights[key] = w
+            self._layer(module).add(key, w)
         self.loaded[key] = weights
         self.loaded.move_to_end(key)
 
