@@ -47,6 +47,16 @@ def _greedy(n: int = 1) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0, n=n)
 
 
+def _generate(llm, prompts, choice, loras, n: int = 1):
+    """Greedy completions, prompt i under adapter ``choice[i]`` (None: the base model)."""
+    return llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        _greedy(n),
+        use_tqdm=False,
+        lora_request=[loras[c] if c else None for c in choice],
+    )
+
+
 def _check(outputs, prompts, choice, base, refs) -> None:
     for out, prompt, name in zip(outputs, prompts, choice, strict=True):
         ref_tokens, ref_logprobs = hf_generate_greedy(
@@ -73,12 +83,7 @@ def test_adapters_match_peft_in_mixed_batches(setup, schedule):
     prompts = DENSE.prompts(9, 5, 30, seed=3)
     choice = [[None, "small", "full"][i % 3] for i in range(len(prompts))]
     recorded = record_schedules(llm)
-    outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        _greedy(),
-        use_tqdm=False,
-        lora_request=[loras[c] if c else None for c in choice],
-    )
+    outputs = _generate(llm, prompts, choice, loras)
     _check(outputs, prompts, choice, base, refs)
     if schedule == "preemption":
         assert llm.get_metrics()["num_preemptions"] > 0
@@ -116,12 +121,7 @@ def test_every_dense_family_takes_adapters(family, tmp_path):
     llm = make_llm(base_folder, enable_lora=True, max_loras=1, max_lora_rank=8)
     prompts = DENSE.prompts(4, 5, 30, seed=6)
     choice = [None, "full", None, "full"]
-    outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        _greedy(),
-        use_tqdm=False,
-        lora_request=[lora if c else None for c in choice],
-    )
+    outputs = _generate(llm, prompts, choice, {"full": lora})
     _check(outputs, prompts, choice, base, refs)
 
 
@@ -133,11 +133,6 @@ def test_speculative_decoding_under_adapters(setup):
     motifs = DENSE.prompts(3, 4, 6, seed=9)
     prompts = [(m * 6)[:30] for m in motifs]  # repeats for prompt lookup to find
     choice = ["small", "full", None]
-    outputs = llm.generate(
-        [{"prompt_token_ids": p} for p in prompts],
-        _greedy(),
-        use_tqdm=False,
-        lora_request=[loras[c] if c else None for c in choice],
-    )
+    outputs = _generate(llm, prompts, choice, loras)
     _check(outputs, prompts, choice, base, refs)
     assert llm.get_metrics()["spec_decoding"]["num_draft_tokens"] > 0

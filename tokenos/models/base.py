@@ -77,7 +77,24 @@ class DecoderStack(nn.Module):
         return x
 
 
-class CausalLM(nn.Module):
+class PagedModel(nn.Module):
+    """What the worker asks of any model about its cache: its bound cache layers (``_cache_layers``,
+    set by the subclass once its modules exist) and their specs, from ``config``."""
+
+    config: ModelConfig
+    _cache_layers: list[tuple[str, CacheLayer]]
+
+    def cache_layers(self) -> list[tuple[str, CacheLayer]]:
+        """(module path, layer) of every cache layer, in pool-entry order (``kv_caches`` order)."""
+        return list(self._cache_layers)
+
+    def get_kv_cache_spec(self, cache_config: CacheConfig) -> dict[str, KVCacheSpec]:
+        """What state each cache layer needs, by module path, in pool-entry order."""
+        dtype = self.config.dtype_name
+        return {name: layer.get_kv_cache_spec(cache_config, dtype) for name, layer in self._cache_layers}
+
+
+class CausalLM(PagedModel):
     """A ``DecoderStack`` (registered as ``stack_name``) and an LM head, tied to its embeddings if the
     config says so. Its cache layers are bound (numbered) here, once the stack is built."""
 
@@ -93,15 +110,6 @@ class CausalLM(nn.Module):
     @property
     def stack(self) -> DecoderStack:
         return getattr(self, self._stack_name)
-
-    def cache_layers(self) -> list[tuple[str, CacheLayer]]:
-        """(module path, layer) of every cache layer, in pool-entry order (``kv_caches`` order)."""
-        return list(self._cache_layers)
-
-    def get_kv_cache_spec(self, cache_config: CacheConfig) -> dict[str, KVCacheSpec]:
-        """What state each cache layer needs, by module path, in pool-entry order."""
-        dtype = self.config.dtype_name
-        return {name: layer.get_kv_cache_spec(cache_config, dtype) for name, layer in self._cache_layers}
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:

@@ -31,11 +31,10 @@ import torch
 from torch import nn
 
 from tokenos.layers.attention import Attention
-from tokenos.layers.metadata import CacheLayer, ForwardBatch, bind_cache_layers
+from tokenos.layers.metadata import ForwardBatch, bind_cache_layers
+from tokenos.models.base import PagedModel
 
 if TYPE_CHECKING:
-    from tokenos.config import CacheConfig
-    from tokenos.core.kv_cache.spec import KVCacheSpec
     from tokenos.models.config import ModelConfig
 
 ATTN_IMPLEMENTATION = "tokenos_paged"
@@ -261,7 +260,7 @@ def _attention_modules(hf_model: nn.Module, num_layers: int) -> list[nn.Module]:
     return [found[i] for i in range(num_layers)]
 
 
-class TransformersCausalLM(nn.Module):
+class TransformersCausalLM(PagedModel):
     """A transformers ``*ForCausalLM`` with one tokenos `Attention` per decoder layer, behind the three
     calls every tokenos model has (`tokenos.models.base.CausalLM`'s contract)."""
 
@@ -320,15 +319,6 @@ class TransformersCausalLM(nn.Module):
         scale = getattr(module, "scaling", None) or head_size**-0.5
         softcap = getattr(hf_config, "attn_logit_softcapping", None)
         return Attention(heads, kv_heads, head_size, scale, window, softcap)
-
-    def cache_layers(self) -> list[tuple[str, CacheLayer]]:
-        """(module path, layer) of every cache layer, in pool-entry order (``kv_caches`` order)."""
-        return list(self._cache_layers)
-
-    def get_kv_cache_spec(self, cache_config: CacheConfig) -> dict[str, KVCacheSpec]:
-        """One attention spec per decoder layer (sliding-window where the layer slides)."""
-        dtype = self.config.dtype_name
-        return {name: layer.get_kv_cache_spec(cache_config, dtype) for name, layer in self._cache_layers}
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
