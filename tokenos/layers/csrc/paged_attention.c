@@ -195,8 +195,8 @@ static inline void NAME(const float *restrict qk, const T *const *rows, int n, i
     }                                                                                             \
 }
 
-/* The outputs ok of one KV head's G query heads, rescaled by alpha[h], plus the V rows of the n
- * tokens times their probabilities pf[h * ps + i], V widened to float32. */
+/* The outputs ok of one KV head's G query heads plus the V rows of the n tokens times their
+ * probabilities pf[h * ps + i], V widened to float32. */
 #define PV_F32_BODY(T, LOAD, G, DV)                                                               \
     for (int i = 0; i < n; i++) {                                                                 \
         const T *v = rows[i] + v_off;                                                             \
@@ -211,13 +211,13 @@ static inline void NAME(const float *restrict qk, const T *const *rows, int n, i
     __m512 o[G][DV];                                                                              \
     for (int h = 0; h < G; h++)                                                                   \
         for (int j = 0; j < DV; j++)                                                              \
-            o[h][j] = _mm512_mul_ps(_mm512_load_ps(ok + (h * DV + j) * 16), _mm512_set1_ps(alpha[h]));
+            o[h][j] = _mm512_load_ps(ok + (h * DV + j) * 16);
 #define PV_STORE_O(G, DV)                                                                         \
     for (int h = 0; h < G; h++)                                                                   \
         for (int j = 0; j < DV; j++) _mm512_store_ps(ok + (h * DV + j) * 16, o[h][j]);
 #define DEFINE_PV(NAME, T, LOAD, G, DV)                                                            \
 static inline void NAME(float *restrict ok, const T *const *rows, int n, int64_t v_off,           \
-                        const float *restrict alpha, const float *restrict pf,                    \
+                        const float *restrict pf,                                                 \
                         const uint16_t *restrict pb, int ps) {                                    \
     (void)pb;                                                                                     \
     PV_LOAD_O(G, DV)                                                                              \
@@ -261,7 +261,7 @@ static inline void NAME(const float *restrict qk, const uint16_t *const *rows, i
  * undone once per item. For odd n the last pair repeats a row with probability 0. */
 #define DEFINE_PV_DP(NAME, G, DV)                                                                 \
 static inline void NAME(float *restrict ok, const uint16_t *const *rows, int n, int64_t v_off,    \
-                        const float *restrict alpha, const float *restrict pf,                    \
+                        const float *restrict pf,                                                 \
                         const uint16_t *restrict pb, int ps) {                                    \
     PV_LOAD_O(G, DV)                                                                              \
     if (DV % 2) {                                                                                 \
@@ -308,8 +308,7 @@ static inline void NAME(float *restrict ok, const uint16_t *const *rows, int n, 
 
 #define DEFINE_FAMILY(T, LOAD)                                                                    \
     typedef void (*scores_##T##_fn)(const float *, const T *const *, int, int64_t, float, float *, int); \
-    typedef void (*pv_##T##_fn)(float *, const T *const *, int, int64_t, const float *, const float *, \
-                                const uint16_t *, int);                                           \
+    typedef void (*pv_##T##_fn)(float *, const T *const *, int, int64_t, const float *, const uint16_t *, int); \
     DEFINE_ALL(scores_##T, DEFINE_SCORES, T, LOAD)                                                \
     DEFINE_ALL(pv_##T, DEFINE_PV, T, LOAD)
 DEFINE_FAMILY(float, load16_f32)
@@ -343,11 +342,11 @@ FN_TABLE(scores_fn_bf16dp, scores_bf16dp) FN_TABLE(pv_fn_bf16dp, pv_bf16dp)
 #endif
 
 /* One online-softmax step per head over a chunk of n tokens: the scores s[h * ss + i] (padded with
- * -inf to a multiple of 16) become, in place, probabilities against the head's new running max;
- * alpha[h] is the factor its earlier outputs are rescaled by. With pb, the probabilities are also
- * rounded to bf16 there (padding included, as zeros) for the vdpbf16ps V products. */
-static void chunk_softmax(float *restrict s, uint16_t *restrict pb, int ss, int n, int heads,
-                          float *restrict m, float *restrict l, float *restrict alpha) {
+ * -inf to a multiple of 16) become, in place, probabilities against the head's new running max, and
+ * the head's earlier outputs o[h * d ...] and sum are rescaled to it. With pb, the probabilities are
+ * also rounded to bf16 there (padding included, as zeros) for the vdpbf16ps V products. */
+static void chunk_softmax(float *restrict s, uint16_t *restrict pb, int ss, int n, int heads, int d,
+                          float *restrict m, float *restrict l, float *restrict o) {
     const int nv = (n + 15) / 16;
     for (int h = 0; h < heads; h++) {
         float *sh = s + (int64_t)h * ss;
@@ -355,7 +354,8 @@ static void chunk_softmax(float *restrict s, uint16_t *restrict pb, int ss, int 
         for (int v = 0; v < nv; v++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + 16 * v));
         const float cmax = _mm512_reduce_max_ps(mx);
         const float mt = m[h] > cmax ? m[h] : cmax;
-        alpha[h] = m[h] == -INFINITY ? 0.f : expf(m[h] - mt); /* first chunk: outputs still 0 */
+        const float alpha = m[h] == -INFINITY ? 0.f : expf(m[h] - mt); /* first chunk: outputs still 0 */
+        for (int j = 0; j < d; j++) o[(int64_t)h * d + j] *= alpha;
         const __m512 mtv = _mm512_set1_ps(mt);
         __m512 sum = _mm512_setzero_ps();
         for (int v = 0; v < nv; v++) {
@@ -366,7 +366,7 @@ static void chunk_softmax(float *restrict s, uint16_t *restrict pb, int ss, int 
             if (pb) _mm256_storeu_si256((__m256i *)(pb + (int64_t)h * ss + 16 * v), (__m256i)_mm512_cvtneps_pbh(e));
 #endif
         }
-        l[h] = l[h] * alpha[h] + _mm512_reduce_add_ps(sum);
+        l[h] = l[h] * alpha + _mm512_reduce_add_ps(sum);
         m[h] = mt;
     }
 }
@@ -386,8 +386,9 @@ static void unpermute_dp(float *o, int heads, int d) {
         memcpy(oh, tmp, sizeof(float) * (size_t)(d / 32 * 32));
     }
 }
-/* Ask for the K and V rows of a tile ahead (positions [p0, min(p0 + TILE, p1))) while this one is
- * computed: pages are scattered, so the hardware prefetcher loses the stream at every page edge. */
+/* Ask for the K rows (v_bytes 0) or the V rows of positions [p0, min(p0 + TILE, p1)) ahead of their
+ * use: pages are scattered, so the hardware prefetcher loses the stream at every page edge. K and V
+ * are asked for in the phases that read them, so that memory is kept busy through both. */
 static inline void prefetch_rows(const char *cache, int64_t page_bytes, int block_size, const int32_t *blocks,
                                  int p0, int p1, int64_t row_bytes, int64_t v_bytes) {
     const int end = p0 + TILE < p1 ? p0 + TILE : p1;
@@ -395,11 +396,8 @@ static inline void prefetch_rows(const char *cache, int64_t page_bytes, int bloc
     for (int pos = p0; pos < end;) {
         const int off = pos % block_size;
         const int count = end - pos < block_size - off ? end - pos : block_size - off;
-        const char *k = cache + (int64_t)blocks[pos / block_size] * page_bytes + (int64_t)off * row_bytes;
-        for (int64_t o = 0; o < (int64_t)count * row_bytes; o += 64) {
-            _mm_prefetch(k + o, _MM_HINT_T1);
-            _mm_prefetch(k + v_bytes + o, _MM_HINT_T1);
-        }
+        const char *k = cache + (int64_t)blocks[pos / block_size] * page_bytes + (int64_t)off * row_bytes + v_bytes;
+        for (int64_t o = 0; o < (int64_t)count * row_bytes; o += 64) _mm_prefetch(k + o, _MM_HINT_T1);
         pos += count;
     }
 }
@@ -412,6 +410,10 @@ static inline void prefetch_rows(const char *cache, int64_t page_bytes, int bloc
         const T *page = cache + (int64_t)blocks[pos / block_size] * page_stride;                  \
         for (int o = off; o < block_size && i < (n); o++, i++, pos++) rows[i] = page + (int64_t)o * row; \
     }
+
+#define PREFETCH(T, p0, p1, v_bytes)                                                               \
+    prefetch_rows((const char *)cache, page_stride * (int64_t)sizeof(T), block_size, blocks, p0, p1, \
+                  row * (int64_t)sizeof(T), v_bytes)
 
 /* The item for the vector path, over ALL KV heads of one request (a tile's K and V rows are then
  * read as contiguous runs of memory), chunk by chunk (see SCORE_BUF). */
@@ -429,7 +431,6 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
     float os[AVX_MAX_HEADS * 16 * AVX_MAX_DV] __attribute__((aligned(64)));                       \
     float s[SCORE_BUF] __attribute__((aligned(64)));                                              \
     uint16_t pb[SCORE_BUF] __attribute__((aligned(64)));                                          \
-    float alpha[AVX_MAX_HEADS];                                                                   \
     const T *rows[MAX_CHUNK];                                                                     \
     uint16_t *qb = (uint16_t *)qs;                                                                \
     for (int i = 0; i < heads * d; i++) {                                                         \
@@ -440,23 +441,29 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
     const int fit = SCORE_BUF / heads / TILE * TILE;                                              \
     const int ss = fit < MAX_CHUNK ? fit : MAX_CHUNK;                                             \
     const int bf16_p = V_DP && dv % 2 == 0;                                                       \
+    const int64_t v_bytes = v_offset * (int64_t)sizeof(T);                                        \
     for (int c0 = t0; c0 < t1; c0 += ss) {                                                        \
         const int nc = t1 - c0 < ss ? t1 - c0 : ss;                                               \
         GATHER_ROWS(T, rows, start + c0, nc)                                                   \
         for (int tile = 0; tile < nc; tile += TILE) {                                             \
             const int n = nc - tile < TILE ? nc - tile : TILE;                                    \
-            prefetch_rows((const char *)cache, page_stride * (int64_t)sizeof(T), block_size, blocks, \
-                          start + c0 + tile + 2 * TILE, start + t1, row * (int64_t)sizeof(T),     \
-                          v_offset * (int64_t)sizeof(T));                                         \
+            PREFETCH(T, start + c0 + tile + 2 * TILE, start + t1, 0);                                \
+            if (tile < 2 * TILE) PREFETCH(T, start + c0 + tile, start + c0 + nc, v_bytes);           \
             for (int kh = 0; kh < num_kv_heads; kh++) {                                           \
                 const float *qk = Q_BF16 ? (const float *)(qb + (int64_t)kh * g * d) : qs + (int64_t)kh * g * d; \
                 score(qk, rows + tile, n, (int64_t)kh * d, scale, s + (int64_t)kh * g * ss + tile, ss); \
             }                                                                                     \
         }                                                                                         \
-        chunk_softmax(s, bf16_p ? pb : NULL, ss, nc, heads, m, l, alpha);                         \
-        for (int kh = 0; kh < num_kv_heads; kh++)                                                 \
-            pv(os + (int64_t)kh * g * d, rows, nc, v_offset + (int64_t)kh * d, alpha + kh * g,   \
-               s + (int64_t)kh * g * ss, pb + (int64_t)kh * g * ss, ss);                          \
+        chunk_softmax(s, bf16_p ? pb : NULL, ss, nc, heads, d, m, l, os);                         \
+        for (int tile = 0; tile < nc; tile += TILE) {                                             \
+            const int n = nc - tile < TILE ? nc - tile : TILE;                                    \
+            PREFETCH(T, start + c0 + tile + 2 * TILE, start + c0 + nc, v_bytes);                     \
+            for (int kh = 0; kh < num_kv_heads; kh++) {                                           \
+                const int64_t h0 = (int64_t)kh * g;                                               \
+                pv(os + h0 * d, rows + tile, n, v_offset + (int64_t)kh * d, s + h0 * ss + tile,   \
+                   pb + h0 * ss + tile, ss);                                                      \
+            }                                                                                     \
+        }                                                                                         \
     }                                                                                             \
     if (V_DP && dv % 2 == 0) unpermute_dp(os, heads, d);                                          \
     memcpy(o, os, sizeof(float) * (size_t)heads * d);                                             \
