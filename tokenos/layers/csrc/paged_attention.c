@@ -146,11 +146,10 @@ static inline __m512 load16_fp8(const uint8_t *p) {
 #define AVX_MAX_DV 16 /* head sizes up to 256 */
 #define AVX_MAX_HEADS MAX_ITEM_HEADS
 /* An item goes in chunks of tokens: first every score of the chunk (all heads), then one softmax
- * step per head, then the V rows of the chunk with each KV head's outputs held in registers. A
- * softmax per tile of 16 put a max-exp-sum dependency chain and a reload and rescale of the outputs
- * between every tile's scores and its V products; per chunk, those are paid once per 128-256
- * tokens and the score and V loops run without waiting. The scores of a chunk are [heads][chunk]
- * floats of SCORE_BUF, so the chunk shrinks as heads grow. */
+ * step per head, then the chunk's V rows tile by tile. A softmax per tile of 16 put a max-exp-sum
+ * dependency chain and a rescale of the outputs between every tile's scores and its V products;
+ * per chunk, those are paid once per 128-256 tokens and the score and V loops run without waiting.
+ * The scores of a chunk are [heads][chunk] floats of SCORE_BUF, so the chunk shrinks as heads grow. */
 #define SCORE_BUF 16384
 #define MAX_CHUNK 256
 
