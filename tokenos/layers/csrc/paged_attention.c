@@ -10,7 +10,9 @@
  * so that few long requests still keep every thread busy, and the splits are merged with their
  * log-sum-exp. Inside an item, tokens go in tiles of TILE: scores for the tile (K read once), an
  * online-softmax update with a vectorized exp, then the tile's V rows (read once) accumulate into
- * float32 outputs. bf16 rows are widened to float32 on the fly; every product and sum is float32.
+ * float32 outputs; the AVX-512 item takes chunks of up to 256 tokens instead (all their scores, one
+ * softmax step, then all their V rows; see SCORE_BUF). bf16 rows are widened to float32 on the fly;
+ * every product and sum is float32.
  * fp8 pages (float8 e4m3fn bytes, the caller folding its per-tensor scales into `scale` and the
  * output) are widened the same way: exactly, by integer operations (portable path) or through
  * float16 and vcvtph2ps (AVX-512 path).
@@ -30,6 +32,7 @@
 #define TILE 16
 #define MAX_GROUP 16   /* query heads per KV head handled in one item */
 #define MAX_HEAD 512   /* head sizes above this take the caller's fallback */
+#define MAX_ITEM_HEADS 128 /* query heads one item may hold (>= MAX_GROUP) */
 
 static inline void widen_f32(const float *restrict src, float *restrict dst, int d) {
     memcpy(dst, src, sizeof(float) * (size_t)d);
@@ -65,7 +68,10 @@ static inline float dot(const float *restrict a, const float *restrict b, int d)
 /* Attend query heads [h0, h0 + g) of request r, which share KV head kh, over tokens [t0, t1) of
  * the request's visible range (positions start + t). Writes unnormalized outputs o[g][d] and the
  * running max m[g] and sum l[g] (the caller normalizes or merges splits). */
+/* Aligned to 64 bytes: on Zen 4 the speed of these loops was seen to change by 15% with where an
+ * unrelated edit happened to place them. */
 #define DEFINE_ITEM(NAME, T, WIDEN)                                                               \
+__attribute__((aligned(64)))                                                                      \
 static void NAME(const float *restrict q, const T *restrict cache, int64_t page_stride,          \
                  int block_size, const int32_t *restrict blocks, int start, int t0, int t1,       \
                  int kh, int g, int d, int64_t row, int64_t v_offset, float scale,               \
@@ -138,7 +144,14 @@ static inline __m512 load16_fp8(const uint8_t *p) {
 
 #define AVX_MAX_G 4
 #define AVX_MAX_DV 16 /* head sizes up to 256 */
-#define AVX_MAX_HEADS 128
+#define AVX_MAX_HEADS MAX_ITEM_HEADS
+/* An item goes in chunks of tokens: first every score of the chunk (all heads), then one softmax
+ * step per head, then the chunk's V rows tile by tile. A softmax per tile of 16 put a max-exp-sum
+ * dependency chain and a rescale of the outputs between every tile's scores and its V products;
+ * per chunk, those are paid once per 128-256 tokens and the score and V loops run without waiting.
+ * The scores of a chunk are [heads][chunk] floats of SCORE_BUF, so the chunk shrinks as heads grow. */
+#define SCORE_BUF 16384
+#define MAX_CHUNK 256
 
 /* 16 vectors -> one vector of their 16 horizontal sums (lane i = sum of v[i]'s lanes), by a
  * transpose-and-add tree: 45 shuffles and adds where 16 separate reductions take about 130. */
@@ -157,20 +170,22 @@ static inline __m512 sum16(const __m512 *v) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
 }
 
-/* One tile of up to 16 tokens for one KV head and its G query heads (head size 16 * DV), with the
- * queries and outputs of those heads in registers; G and DV are compile-time constants so the loops
- * unroll. The online-softmax state m, l of the G heads is updated in place. */
-#define DEFINE_TILE(NAME, T, LOAD, G, DV)                                                          \
-static inline void NAME(const float *restrict qk, float *restrict ok, const T *const *rows, int n, \
-                        int64_t k_off, int64_t v_off, float scale, float *restrict m,             \
-                        float *restrict l) {                                                      \
-    /* The tile's K rows widened once into float32 (rows past n are zeros: their scores are      \
-     * masked), then one pass per query head with its 16 per-token accumulators in registers.   */\
+/* The scaled scores of one tile of up to 16 tokens for one KV head and its G query heads (head size
+ * 16 * DV) into s[h * ss + i], -inf for i >= n so the softmax gives those tokens nothing. G and DV are
+ * compile-time constants so the loops unroll. */
+#define STORE_SCORES(h, acc)                                                                      \
+    _mm512_storeu_ps(s + (h) * ss, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live,             \
+                                                      _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale))))
+#define DEFINE_SCORES(NAME, T, LOAD, G, DV)                                                        \
+static inline void NAME(const float *restrict qk, const T *const *rows, int n, int64_t k_off,     \
+                        float scale, float *restrict s, int ss) {                                 \
+    /* The tile's K rows widened once into float32 (rows past n are zeros), then one pass per     \
+     * query head with its 16 per-token accumulators in registers. */                             \
     float kbuf[TILE][16 * DV] __attribute__((aligned(64)));                                       \
     for (int i = 0; i < TILE; i++)                                                                \
         for (int j = 0; j < DV; j++)                                                              \
             _mm512_store_ps(kbuf[i] + 16 * j, i < n ? LOAD(rows[i] + k_off + 16 * j) : _mm512_setzero_ps()); \
-    __m512 scores[G];                                                                             \
+    const __mmask16 live = (__mmask16)((1u << n) - 1);                                            \
     for (int h = 0; h < G; h++) {                                                                 \
         __m512 qh[DV], acc[TILE];                                                                 \
         for (int j = 0; j < DV; j++) qh[j] = _mm512_load_ps(qk + (h * DV + j) * 16);             \
@@ -179,61 +194,49 @@ static inline void NAME(const float *restrict qk, float *restrict ok, const T *c
             for (int j = 1; j < DV; j++)                                                          \
                 acc[i] = _mm512_fmadd_ps(qh[j], _mm512_load_ps(kbuf[i] + 16 * j), acc[i]);         \
         }                                                                                         \
-        scores[h] = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));                             \
+        STORE_SCORES(h, acc);                                                                     \
     }                                                                                             \
-    TILE_SOFTMAX_AND_V(T, LOAD, G, DV)                                                            \
 }
 
-/* The online-softmax update of a tile for the G heads from their scores: each head's new max and
- * sum, its outputs in ok rescaled, and STORE_P(h, e) handed its probabilities (zero past n). */
-#define TILE_ONLINE_SOFTMAX(G, DV, STORE_P)                                                       \
-    const __mmask16 live = (__mmask16)((1u << n) - 1);                                            \
-    for (int h = 0; h < G; h++) {                                                                 \
-        const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, scores[h]);          \
-        const float mt = fmaxf(m[h], _mm512_reduce_max_ps(s));                                    \
-        const float alpha = m[h] == -INFINITY ? 0.f : expf(m[h] - mt);                            \
-        const __m512 e = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(s, _mm512_set1_ps(mt))));  \
-        l[h] = l[h] * alpha + _mm512_reduce_add_ps(e);                                            \
-        m[h] = mt;                                                                                \
-        STORE_P(h, e);                                                                            \
-        if (alpha != 1.f)                                                                         \
-            for (int j = 0; j < DV; j++)                                                          \
-                _mm512_store_ps(ok + (h * DV + j) * 16,                                           \
-                                _mm512_mul_ps(_mm512_load_ps(ok + (h * DV + j) * 16), _mm512_set1_ps(alpha))); \
-    }
-#define STORE_P_F32(h, e) _mm512_store_ps(p[h], e)
-#define STORE_P_BF16(h, e) _mm256_store_si256((__m256i *)pp[h], (__m256i)_mm512_cvtneps_pbh(e))
-
-/* The second half of a tile, shared by both kinds: the online-softmax update of the G heads from
- * their scores, then the V rows (widened to float32) accumulated with the probabilities. */
-#define TILE_SOFTMAX_AND_V(T, LOAD, G, DV)                                                        \
-    float p[G][TILE] __attribute__((aligned(64)));                                                \
-    TILE_ONLINE_SOFTMAX(G, DV, STORE_P_F32)                                                       \
-    __m512 o[G][DV];                                                                              \
-    for (int h = 0; h < G; h++)                                                                   \
-        for (int j = 0; j < DV; j++) o[h][j] = _mm512_load_ps(ok + (h * DV + j) * 16);            \
+/* The outputs ok of one KV head's G query heads plus the V rows of the n tokens times their
+ * probabilities pf[h * ps + i], V widened to float32. */
+#define PV_F32_BODY(T, LOAD, G, DV)                                                               \
     for (int i = 0; i < n; i++) {                                                                 \
         const T *v = rows[i] + v_off;                                                             \
         __m512 pi[G];                                                                             \
-        for (int h = 0; h < G; h++) pi[h] = _mm512_set1_ps(p[h][i]);                              \
+        for (int h = 0; h < G; h++) pi[h] = _mm512_set1_ps(pf[h * ps + i]);                       \
         for (int j = 0; j < DV; j++) {                                                            \
             const __m512 vj = LOAD(v + 16 * j);                                                   \
             for (int h = 0; h < G; h++) o[h][j] = _mm512_fmadd_ps(pi[h], vj, o[h][j]);            \
         }                                                                                         \
-    }                                                                                             \
+    }
+#define PV_LOAD_O(G, DV)                                                                          \
+    __m512 o[G][DV];                                                                              \
+    for (int h = 0; h < G; h++)                                                                   \
+        for (int j = 0; j < DV; j++)                                                              \
+            o[h][j] = _mm512_load_ps(ok + (h * DV + j) * 16);
+#define PV_STORE_O(G, DV)                                                                         \
     for (int h = 0; h < G; h++)                                                                   \
         for (int j = 0; j < DV; j++) _mm512_store_ps(ok + (h * DV + j) * 16, o[h][j]);
+#define DEFINE_PV(NAME, T, LOAD, G, DV)                                                            \
+static inline void NAME(float *restrict ok, const T *const *rows, int n, int64_t v_off,           \
+                        const float *restrict pf,                                                 \
+                        const uint16_t *restrict pb, int ps) {                                    \
+    (void)pb;                                                                                     \
+    PV_LOAD_O(G, DV)                                                                              \
+    PV_F32_BODY(T, LOAD, G, DV)                                                                   \
+    PV_STORE_O(G, DV)                                                                             \
+}
 
 #ifdef __AVX512BF16__
 /* bf16 K on a CPU with AVX512-BF16: the scores straight from the bf16 rows by vdpbf16ps (pairs of
  * bf16 products, exact in float32, accumulated in float32), with q in bf16 as the model made it:
  * no widening of K. qk holds the G heads' q as bf16 (16 * DV each), unscaled. */
-#define DEFINE_TILE_DP(NAME, G, DV)                                                               \
-static inline void NAME(const float *restrict qk, float *restrict ok, const uint16_t *const *rows, \
-                        int n, int64_t k_off, int64_t v_off, float scale, float *restrict m,      \
-                        float *restrict l) {                                                      \
+#define DEFINE_SCORES_DP(NAME, G, DV)                                                             \
+static inline void NAME(const float *restrict qk, const uint16_t *const *rows, int n,             \
+                        int64_t k_off, float scale, float *restrict s, int ss) {                  \
     const uint16_t *qb = (const uint16_t *)qk;                                                    \
-    __m512 scores[G];                                                                             \
+    const __mmask16 live = (__mmask16)((1u << n) - 1);                                            \
     for (int h = 0; h < G; h++) {                                                                 \
         __m512bh qh[(DV + 1) / 2];                                                                \
         for (int j = 0; j < DV / 2; j++) qh[j] = (__m512bh)_mm512_loadu_si512(qb + h * 16 * DV + 32 * j); \
@@ -250,99 +253,126 @@ static inline void NAME(const float *restrict qk, float *restrict ok, const uint
                 acc[i] = _mm512_dpbf16_ps(acc[i], qh[DV / 2], (__m512bh)_mm512_zextsi256_si512(   \
                     _mm256_loadu_si256((const __m256i *)(k + 32 * (DV / 2)))));                   \
         }                                                                                         \
-        scores[h] = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale));                             \
-    }                                                                                             \
-    if (DV % 2) {                                                                                 \
-        TILE_SOFTMAX_AND_V(uint16_t, load16_bf16, G, DV)                                          \
-    } else {                                                                                      \
-        TILE_SOFTMAX_AND_V_DP(G, DV)                                                              \
+        STORE_SCORES(h, acc);                                                                     \
     }                                                                                             \
 }
 
-/* The second half for bf16 V on AVX512-BF16 (even DV): the probabilities rounded to bf16 (as torch's
- * bf16 attention rounds them for its P V product) and V taken two tokens at a time by vdpbf16ps on
- * the rows interleaved by unpacklo/hi_epi16, so no row is widened. That interleave leaves each
- * accumulator's lanes in a fixed permuted order of dimensions (see unpermute_dp), undone once per
- * item. Rows past n have probability 0 (their V is read but contributes nothing). */
-#define TILE_SOFTMAX_AND_V_DP(G, DV)                                                              \
-    uint32_t pp[G][TILE / 2] __attribute__((aligned(64)));                                        \
-    TILE_ONLINE_SOFTMAX(G, DV, STORE_P_BF16)                                                      \
-    __m512 o[G][DV];                                                                              \
-    for (int h = 0; h < G; h++)                                                                   \
-        for (int j = 0; j < DV; j++) o[h][j] = _mm512_load_ps(ok + (h * DV + j) * 16);            \
-    for (int i = 0; i < n; i += 2) {                                                              \
-        const uint16_t *va = rows[i] + v_off;                                                     \
-        const uint16_t *vb = (i + 1 < n ? rows[i + 1] : rows[i]) + v_off;                         \
-        __m512bh pi[G];                                                                           \
-        for (int h = 0; h < G; h++) pi[h] = (__m512bh)_mm512_set1_epi32((int)pp[h][i / 2]);      \
-        for (int c = 0; c < DV / 2; c++) {                                                        \
-            const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb + 32 * c); \
-            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b);                            \
-            const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);                            \
+/* bf16 V on AVX512-BF16 (even DV): the probabilities rounded to bf16 (pb, as torch's bf16 attention
+ * rounds them for its P V product; zero-padded to an even count) and V taken two tokens at a time by
+ * vdpbf16ps on the rows interleaved by unpacklo/hi_epi16, so no row is widened. That interleave
+ * leaves each accumulator's lanes in a fixed permuted order of dimensions (see unpermute_dp),
+ * undone once per item. For odd n the last pair repeats a row with probability 0. */
+#define DEFINE_PV_DP(NAME, G, DV)                                                                 \
+static inline void NAME(float *restrict ok, const uint16_t *const *rows, int n, int64_t v_off,    \
+                        const float *restrict pf,                                                 \
+                        const uint16_t *restrict pb, int ps) {                                    \
+    PV_LOAD_O(G, DV)                                                                              \
+    if (DV % 2) {                                                                                 \
+        PV_F32_BODY(uint16_t, load16_bf16, G, DV)                                                 \
+    } else {                                                                                      \
+        for (int i = 0; i < n; i += 2) {                                                          \
+            const uint16_t *va = rows[i] + v_off;                                                 \
+            const uint16_t *vb = (i + 1 < n ? rows[i + 1] : rows[i]) + v_off;                     \
+            __m512bh pi[G];                                                                       \
             for (int h = 0; h < G; h++) {                                                         \
-                o[h][2 * c] = _mm512_dpbf16_ps(o[h][2 * c], pi[h], lo);                           \
-                o[h][2 * c + 1] = _mm512_dpbf16_ps(o[h][2 * c + 1], pi[h], hi);                   \
+                int32_t pair;                                                                     \
+                memcpy(&pair, pb + h * ps + i, sizeof pair);                                      \
+                pi[h] = (__m512bh)_mm512_set1_epi32(pair);                                        \
+            }                                                                                     \
+            for (int c = 0; c < DV / 2; c++) {                                                    \
+                const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb + 32 * c); \
+                const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(a, b);                        \
+                const __m512bh hi = (__m512bh)_mm512_unpackhi_epi16(a, b);                        \
+                for (int h = 0; h < G; h++) {                                                     \
+                    o[h][2 * c] = _mm512_dpbf16_ps(o[h][2 * c], pi[h], lo);                       \
+                    o[h][2 * c + 1] = _mm512_dpbf16_ps(o[h][2 * c + 1], pi[h], hi);               \
+                }                                                                                 \
             }                                                                                     \
         }                                                                                         \
     }                                                                                             \
-    for (int h = 0; h < G; h++)                                                                   \
-        for (int j = 0; j < DV; j++) _mm512_store_ps(ok + (h * DV + j) * 16, o[h][j]);
-
+    PV_STORE_O(G, DV)                                                                             \
+}
 #endif
 
-#define DEFINE_TILES(T, LOAD)                                                                     \
-    DEFINE_TILE(tile_##T##_1_4, T, LOAD, 1, 4) DEFINE_TILE(tile_##T##_2_4, T, LOAD, 2, 4)        \
-    DEFINE_TILE(tile_##T##_3_4, T, LOAD, 3, 4) DEFINE_TILE(tile_##T##_4_4, T, LOAD, 4, 4)        \
-    DEFINE_TILE(tile_##T##_1_8, T, LOAD, 1, 8) DEFINE_TILE(tile_##T##_2_8, T, LOAD, 2, 8)        \
-    DEFINE_TILE(tile_##T##_3_8, T, LOAD, 3, 8) DEFINE_TILE(tile_##T##_4_8, T, LOAD, 4, 8)        \
-    DEFINE_TILE(tile_##T##_1_16, T, LOAD, 1, 16) DEFINE_TILE(tile_##T##_2_16, T, LOAD, 2, 16)    \
-    DEFINE_TILE(tile_##T##_1_2, T, LOAD, 1, 2) DEFINE_TILE(tile_##T##_2_2, T, LOAD, 2, 2)        \
-    DEFINE_TILE(tile_##T##_3_2, T, LOAD, 3, 2) DEFINE_TILE(tile_##T##_4_2, T, LOAD, 4, 2)        \
-    DEFINE_TILE(tile_##T##_1_1, T, LOAD, 1, 1) DEFINE_TILE(tile_##T##_2_1, T, LOAD, 2, 1)        \
-    DEFINE_TILE(tile_##T##_3_1, T, LOAD, 3, 1) DEFINE_TILE(tile_##T##_4_1, T, LOAD, 4, 1)
+/* Every (G, DV) the vector item takes, for one kernel family PREFIX (DEFINE(NAME, ..., G, DV)). */
+#define DEFINE_ALL(PREFIX, DEFINE, ...)                                                            \
+    DEFINE(PREFIX##_1_4, __VA_ARGS__, 1, 4) DEFINE(PREFIX##_2_4, __VA_ARGS__, 2, 4)                \
+    DEFINE(PREFIX##_3_4, __VA_ARGS__, 3, 4) DEFINE(PREFIX##_4_4, __VA_ARGS__, 4, 4)                \
+    DEFINE(PREFIX##_1_8, __VA_ARGS__, 1, 8) DEFINE(PREFIX##_2_8, __VA_ARGS__, 2, 8)                \
+    DEFINE(PREFIX##_3_8, __VA_ARGS__, 3, 8) DEFINE(PREFIX##_4_8, __VA_ARGS__, 4, 8)                \
+    DEFINE(PREFIX##_1_16, __VA_ARGS__, 1, 16) DEFINE(PREFIX##_2_16, __VA_ARGS__, 2, 16)            \
+    DEFINE(PREFIX##_1_2, __VA_ARGS__, 1, 2) DEFINE(PREFIX##_2_2, __VA_ARGS__, 2, 2)                \
+    DEFINE(PREFIX##_3_2, __VA_ARGS__, 3, 2) DEFINE(PREFIX##_4_2, __VA_ARGS__, 4, 2)                \
+    DEFINE(PREFIX##_1_1, __VA_ARGS__, 1, 1) DEFINE(PREFIX##_2_1, __VA_ARGS__, 2, 1)                \
+    DEFINE(PREFIX##_3_1, __VA_ARGS__, 3, 1) DEFINE(PREFIX##_4_1, __VA_ARGS__, 4, 1)
+/* The DP kernels take no type and load arguments: a pair of dummies keeps DEFINE_ALL's shape. */
+#define DEFINE_SCORES_DP_(NAME, T, LOAD, G, DV) DEFINE_SCORES_DP(NAME, G, DV)
+#define DEFINE_PV_DP_(NAME, T, LOAD, G, DV) DEFINE_PV_DP(NAME, G, DV)
 
-typedef void (*tile_f32_fn)(const float *, float *, const float *const *, int, int64_t, int64_t, float,
-                            float *, float *);
-typedef void (*tile_bf16_fn)(const float *, float *, const uint16_t *const *, int, int64_t, int64_t, float,
-                             float *, float *);
-DEFINE_TILES(float, load16_f32)
-DEFINE_TILES(uint16_t, load16_bf16)
-typedef void (*tile_fp8_fn)(const float *, float *, const uint8_t *const *, int, int64_t, int64_t, float,
-                            float *, float *);
-DEFINE_TILES(uint8_t, load16_fp8)
+#define DEFINE_FAMILY(T, LOAD)                                                                    \
+    typedef void (*scores_##T##_fn)(const float *, const T *const *, int, int64_t, float, float *, int); \
+    typedef void (*pv_##T##_fn)(float *, const T *const *, int, int64_t, const float *, const uint16_t *, int); \
+    DEFINE_ALL(scores_##T, DEFINE_SCORES, T, LOAD)                                                \
+    DEFINE_ALL(pv_##T, DEFINE_PV, T, LOAD)
+DEFINE_FAMILY(float, load16_f32)
+DEFINE_FAMILY(uint16_t, load16_bf16)
+DEFINE_FAMILY(uint8_t, load16_fp8)
 #ifdef __AVX512BF16__
-DEFINE_TILE_DP(tile_bf16dp_1_4, 1, 4) DEFINE_TILE_DP(tile_bf16dp_2_4, 2, 4)
-DEFINE_TILE_DP(tile_bf16dp_3_4, 3, 4) DEFINE_TILE_DP(tile_bf16dp_4_4, 4, 4)
-DEFINE_TILE_DP(tile_bf16dp_1_8, 1, 8) DEFINE_TILE_DP(tile_bf16dp_2_8, 2, 8)
-DEFINE_TILE_DP(tile_bf16dp_3_8, 3, 8) DEFINE_TILE_DP(tile_bf16dp_4_8, 4, 8)
-DEFINE_TILE_DP(tile_bf16dp_1_16, 1, 16) DEFINE_TILE_DP(tile_bf16dp_2_16, 2, 16)
-DEFINE_TILE_DP(tile_bf16dp_1_2, 1, 2) DEFINE_TILE_DP(tile_bf16dp_2_2, 2, 2)
-DEFINE_TILE_DP(tile_bf16dp_3_2, 3, 2) DEFINE_TILE_DP(tile_bf16dp_4_2, 4, 2)
-DEFINE_TILE_DP(tile_bf16dp_1_1, 1, 1) DEFINE_TILE_DP(tile_bf16dp_2_1, 2, 1)
-DEFINE_TILE_DP(tile_bf16dp_3_1, 3, 1) DEFINE_TILE_DP(tile_bf16dp_4_1, 4, 1)
+DEFINE_ALL(scores_bf16dp, DEFINE_SCORES_DP_, uint16_t, load16_bf16)
+DEFINE_ALL(pv_bf16dp, DEFINE_PV_DP_, uint16_t, load16_bf16)
 #endif
 
-#define TILE_TABLE(T)                                                                             \
-static __attribute__((unused)) void *tile_fn_##T(int g, int dv) {                                \
+#define FN_TABLE(NAME, PREFIX)                                                                    \
+static __attribute__((unused)) void *NAME(int g, int dv) {                                        \
     switch (dv * 8 + g) {                                                                         \
-    case 4 * 8 + 1: return (void *)tile_##T##_1_4;  case 4 * 8 + 2: return (void *)tile_##T##_2_4; \
-    case 4 * 8 + 3: return (void *)tile_##T##_3_4;  case 4 * 8 + 4: return (void *)tile_##T##_4_4; \
-    case 8 * 8 + 1: return (void *)tile_##T##_1_8;  case 8 * 8 + 2: return (void *)tile_##T##_2_8; \
-    case 8 * 8 + 3: return (void *)tile_##T##_3_8;  case 8 * 8 + 4: return (void *)tile_##T##_4_8; \
-    case 16 * 8 + 1: return (void *)tile_##T##_1_16; case 16 * 8 + 2: return (void *)tile_##T##_2_16; \
-    case 2 * 8 + 1: return (void *)tile_##T##_1_2;  case 2 * 8 + 2: return (void *)tile_##T##_2_2; \
-    case 2 * 8 + 3: return (void *)tile_##T##_3_2;  case 2 * 8 + 4: return (void *)tile_##T##_4_2; \
-    case 1 * 8 + 1: return (void *)tile_##T##_1_1;  case 1 * 8 + 2: return (void *)tile_##T##_2_1; \
-    case 1 * 8 + 3: return (void *)tile_##T##_3_1;  case 1 * 8 + 4: return (void *)tile_##T##_4_1; \
+    case 4 * 8 + 1: return (void *)PREFIX##_1_4;  case 4 * 8 + 2: return (void *)PREFIX##_2_4;    \
+    case 4 * 8 + 3: return (void *)PREFIX##_3_4;  case 4 * 8 + 4: return (void *)PREFIX##_4_4;    \
+    case 8 * 8 + 1: return (void *)PREFIX##_1_8;  case 8 * 8 + 2: return (void *)PREFIX##_2_8;    \
+    case 8 * 8 + 3: return (void *)PREFIX##_3_8;  case 8 * 8 + 4: return (void *)PREFIX##_4_8;    \
+    case 16 * 8 + 1: return (void *)PREFIX##_1_16; case 16 * 8 + 2: return (void *)PREFIX##_2_16; \
+    case 2 * 8 + 1: return (void *)PREFIX##_1_2;  case 2 * 8 + 2: return (void *)PREFIX##_2_2;    \
+    case 2 * 8 + 3: return (void *)PREFIX##_3_2;  case 2 * 8 + 4: return (void *)PREFIX##_4_2;    \
+    case 1 * 8 + 1: return (void *)PREFIX##_1_1;  case 1 * 8 + 2: return (void *)PREFIX##_2_1;    \
+    case 1 * 8 + 3: return (void *)PREFIX##_3_1;  case 1 * 8 + 4: return (void *)PREFIX##_4_1;    \
     default: return 0;                                                                            \
     }                                                                                             \
 }
-TILE_TABLE(float)
-TILE_TABLE(uint16_t)
-TILE_TABLE(uint8_t)
+FN_TABLE(scores_fn_float, scores_float) FN_TABLE(pv_fn_float, pv_float)
+FN_TABLE(scores_fn_uint16_t, scores_uint16_t) FN_TABLE(pv_fn_uint16_t, pv_uint16_t)
+FN_TABLE(scores_fn_uint8_t, scores_uint8_t) FN_TABLE(pv_fn_uint8_t, pv_uint8_t)
 #ifdef __AVX512BF16__
-TILE_TABLE(bf16dp)
+FN_TABLE(scores_fn_bf16dp, scores_bf16dp) FN_TABLE(pv_fn_bf16dp, pv_bf16dp)
 #endif
+
+/* One online-softmax step per head over a chunk of n tokens: the scores s[h * ss + i] (padded with
+ * -inf to a multiple of 16) become, in place, probabilities against the head's new running max, and
+ * the head's earlier outputs o[h * d ...] and sum are rescaled to it. With pb, the probabilities are
+ * also rounded to bf16 there (padding included, as zeros) for the vdpbf16ps V products. */
+static void chunk_softmax(float *restrict s, uint16_t *restrict pb, int ss, int n, int heads, int d,
+                          float *restrict m, float *restrict l, float *restrict o) {
+    const int nv = (n + 15) / 16;
+    for (int h = 0; h < heads; h++) {
+        float *sh = s + (int64_t)h * ss;
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int v = 0; v < nv; v++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + 16 * v));
+        const float cmax = _mm512_reduce_max_ps(mx);
+        const float mt = m[h] > cmax ? m[h] : cmax;
+        const float alpha = m[h] == -INFINITY ? 0.f : expf(m[h] - mt); /* first chunk: outputs still 0 */
+        for (int j = 0; j < d; j++) o[(int64_t)h * d + j] *= alpha;
+        const __m512 mtv = _mm512_set1_ps(mt);
+        __m512 sum = _mm512_setzero_ps();
+        for (int v = 0; v < nv; v++) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sh + 16 * v), mtv));
+            _mm512_storeu_ps(sh + 16 * v, e);
+            sum = _mm512_add_ps(sum, e);
+#ifdef __AVX512BF16__
+            if (pb) _mm256_storeu_si256((__m256i *)(pb + (int64_t)h * ss + 16 * v), (__m256i)_mm512_cvtneps_pbh(e));
+#endif
+        }
+        l[h] = l[h] * alpha + _mm512_reduce_add_ps(sum);
+        m[h] = mt;
+    }
+}
 
 /* Back to dimension order: vectors 2c and 2c + 1 of a head came from unpacklo / unpackhi of its
  * dimensions [32c, 32c + 32): lane k of the first holds dimension 32c + 8 (k / 4) + k % 4, of the
@@ -359,73 +389,102 @@ static void unpermute_dp(float *o, int heads, int d) {
         memcpy(oh, tmp, sizeof(float) * (size_t)(d / 32 * 32));
     }
 }
-/* Ask for the next tile's K and V rows (positions [p0, min(p0 + TILE, p1))) while this one is
- * computed: pages are scattered, so the hardware prefetcher loses the stream at every page edge. */
+/* Ask for the K rows (v_bytes 0) or the V rows of positions [p0, min(p0 + TILE, p1)) ahead of their
+ * use: pages are scattered, so the hardware prefetcher loses the stream at every page edge. K and V
+ * are asked for in the phases that read them, so that memory is kept busy through both. */
 static inline void prefetch_rows(const char *cache, int64_t page_bytes, int block_size, const int32_t *blocks,
                                  int p0, int p1, int64_t row_bytes, int64_t v_bytes) {
     const int end = p0 + TILE < p1 ? p0 + TILE : p1;
-    for (int pos = p0; pos < end; pos++) {
-        const char *k = cache + (int64_t)blocks[pos / block_size] * page_bytes + (int64_t)(pos % block_size) * row_bytes;
-        for (int64_t off = 0; off < row_bytes; off += 64) {
-            _mm_prefetch(k + off, _MM_HINT_T1);
-            _mm_prefetch(k + v_bytes + off, _MM_HINT_T1);
-        }
+    /* Tokens of one page are consecutive rows: one run per page, one division per run. */
+    for (int pos = p0; pos < end;) {
+        const int off = pos % block_size;
+        const int count = end - pos < block_size - off ? end - pos : block_size - off;
+        const char *k = cache + (int64_t)blocks[pos / block_size] * page_bytes + (int64_t)off * row_bytes + v_bytes;
+        for (int64_t o = 0; o < (int64_t)count * row_bytes; o += 64) _mm_prefetch(k + o, _MM_HINT_T1);
+        pos += count;
     }
 }
 
+/* The K rows of positions [p0, p0 + n) (their V rows are v_offset further), walking the block table
+ * page by page rather than dividing per token. */
+#define GATHER_ROWS(T, rows, p0, n)                                                                \
+    for (int i = 0, pos = (p0); i < (n);) {                                                       \
+        const int off = pos % block_size;                                                         \
+        const T *page = cache + (int64_t)blocks[pos / block_size] * page_stride;                  \
+        for (int o = off; o < block_size && i < (n); o++, i++, pos++) rows[i] = page + (int64_t)o * row; \
+    }
+
+#define PREFETCH(T, p0, p1, v_bytes)                                                               \
+    prefetch_rows((const char *)cache, page_stride * (int64_t)sizeof(T), block_size, blocks, p0, p1, \
+                  row * (int64_t)sizeof(T), v_bytes)
+
 /* The item for the vector path, over ALL KV heads of one request (a tile's K and V rows are then
- * read as contiguous runs of memory): per tile, each KV head's tile kernel. */
-/* Q_BF16: the tiles take q as bf16 (the vdpbf16ps tiles), else as float32; either way unscaled. */
-/* V_DP: the tiles leave even-DV outputs in the permuted order of TILE_SOFTMAX_AND_V_DP. */
-#define DEFINE_ITEM_AVX(NAME, T, FNTYPE, TABLE, Q_BF16, V_DP)                                     \
+ * read as contiguous runs of memory), chunk by chunk (see SCORE_BUF). */
+/* Q_BF16: the score kernels take q as bf16 (the vdpbf16ps ones), else as float32; either way unscaled. */
+/* V_DP: the V kernels take bf16 probabilities and leave even-DV outputs permuted (see unpermute_dp). */
+#define DEFINE_ITEM_AVX(NAME, T, TABLE, Q_BF16, V_DP)                                             \
 static void NAME(const float *restrict q, const T *restrict cache, int64_t page_stride,          \
                  int block_size, const int32_t *restrict blocks, int start, int t0, int t1,       \
                  int num_kv_heads, int g, int d, int64_t row, int64_t v_offset, float scale,     \
                  float *restrict o, float *restrict m, float *restrict l) {                      \
-    const int heads = num_kv_heads * g;                                                           \
-    const FNTYPE fn = (FNTYPE)tile_fn_##TABLE(g, d / 16);                                         \
+    const int heads = num_kv_heads * g, dv = d / 16;                                              \
+    const scores_##T##_fn score = (scores_##T##_fn)scores_fn_##TABLE(g, dv);                      \
+    const pv_##T##_fn pv = (pv_##T##_fn)pv_fn_##TABLE(g, dv);                                     \
     float qs[AVX_MAX_HEADS * 16 * AVX_MAX_DV] __attribute__((aligned(64)));                       \
     float os[AVX_MAX_HEADS * 16 * AVX_MAX_DV] __attribute__((aligned(64)));                       \
+    float s[SCORE_BUF] __attribute__((aligned(64)));                                              \
+    uint16_t pb[SCORE_BUF] __attribute__((aligned(64)));                                          \
+    const T *rows[MAX_CHUNK];                                                                     \
     uint16_t *qb = (uint16_t *)qs;                                                                \
     for (int i = 0; i < heads * d; i++) {                                                         \
         if (Q_BF16) qb[i] = f32_to_bf16(q[i]); else qs[i] = q[i];                                 \
         os[i] = 0.f;                                                                              \
     }                                                                                             \
     for (int h = 0; h < heads; h++) { m[h] = -INFINITY; l[h] = 0.f; }                             \
-    const T *rows[TILE];                                                                          \
-    for (int tile = t0; tile < t1; tile += TILE) {                                                \
-        const int n = t1 - tile < TILE ? t1 - tile : TILE;                                        \
-        for (int i = 0; i < n; i++) {                                                             \
-            const int pos = start + tile + i;                                                     \
-            rows[i] = cache + (int64_t)blocks[pos / block_size] * page_stride                     \
-                      + (int64_t)(pos % block_size) * row;                                        \
+    const int fit = SCORE_BUF / heads / TILE * TILE;                                              \
+    const int ss = fit < MAX_CHUNK ? fit : MAX_CHUNK;                                             \
+    const int bf16_p = V_DP && dv % 2 == 0;                                                       \
+    const int64_t v_bytes = v_offset * (int64_t)sizeof(T);                                        \
+    for (int c0 = t0; c0 < t1; c0 += ss) {                                                        \
+        const int nc = t1 - c0 < ss ? t1 - c0 : ss;                                               \
+        GATHER_ROWS(T, rows, start + c0, nc)                                                   \
+        for (int tile = 0; tile < nc; tile += TILE) {                                             \
+            const int n = nc - tile < TILE ? nc - tile : TILE;                                    \
+            PREFETCH(T, start + c0 + tile + 2 * TILE, start + t1, 0);                                \
+            if (tile < 2 * TILE) PREFETCH(T, start + c0 + tile, start + c0 + nc, v_bytes);           \
+            for (int kh = 0; kh < num_kv_heads; kh++) {                                           \
+                const float *qk = Q_BF16 ? (const float *)(qb + (int64_t)kh * g * d) : qs + (int64_t)kh * g * d; \
+                score(qk, rows + tile, n, (int64_t)kh * d, scale, s + (int64_t)kh * g * ss + tile, ss); \
+            }                                                                                     \
         }                                                                                         \
-        prefetch_rows((const char *)cache, page_stride * (int64_t)sizeof(T), block_size, blocks,  \
-                      start + tile + 2 * TILE, start + t1, row * (int64_t)sizeof(T),                  \
-                      v_offset * (int64_t)sizeof(T));                                             \
-        for (int kh = 0; kh < num_kv_heads; kh++) {                                               \
-            const float *qk = Q_BF16 ? (const float *)(qb + (int64_t)kh * g * d) : qs + (int64_t)kh * g * d; \
-            fn(qk, os + (int64_t)kh * g * d, rows, n, (int64_t)kh * d, v_offset + (int64_t)kh * d, \
-               scale, m + kh * g, l + kh * g);                                                    \
+        chunk_softmax(s, bf16_p ? pb : NULL, ss, nc, heads, d, m, l, os);                         \
+        for (int tile = 0; tile < nc; tile += TILE) {                                             \
+            const int n = nc - tile < TILE ? nc - tile : TILE;                                    \
+            PREFETCH(T, start + c0 + tile + 2 * TILE, start + c0 + nc, v_bytes);                     \
+            for (int kh = 0; kh < num_kv_heads; kh++) {                                           \
+                const int64_t h0 = (int64_t)kh * g;                                               \
+                pv(os + h0 * d, rows + tile, n, v_offset + (int64_t)kh * d, s + h0 * ss + tile,   \
+                   pb + h0 * ss + tile, ss);                                                      \
+            }                                                                                     \
         }                                                                                         \
     }                                                                                             \
-    if (V_DP && (d / 16) % 2 == 0) unpermute_dp(os, heads, d);                                    \
+    if (V_DP && dv % 2 == 0) unpermute_dp(os, heads, d);                                          \
     memcpy(o, os, sizeof(float) * (size_t)heads * d);                                             \
 }
 
-DEFINE_ITEM_AVX(item_avx_f32, float, tile_f32_fn, float, 0, 0)
-DEFINE_ITEM_AVX(item_avx_fp8, uint8_t, tile_fp8_fn, uint8_t, 0, 0)
+DEFINE_ITEM_AVX(item_avx_f32, float, float, 0, 0)
+DEFINE_ITEM_AVX(item_avx_fp8, uint8_t, uint8_t, 0, 0)
 #ifdef __AVX512BF16__
-DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, tile_bf16_fn, bf16dp, 1, 1)
+DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, bf16dp, 1, 1)
 #else
-DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, tile_bf16_fn, uint16_t, 0, 0)
+DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, uint16_t, 0, 0)
 #endif
 #endif
 
 #ifdef __AVX512F__
 static int whole_request_items(int group, int num_kv_heads, int d) {
-    return d % 16 == 0 && group * num_kv_heads * d <= AVX_MAX_HEADS * 16 * AVX_MAX_DV
-           && tile_fn_float(group, d / 16) != 0;
+    return d % 16 == 0 && d <= 16 * AVX_MAX_DV && group * num_kv_heads <= AVX_MAX_HEADS
+           && scores_fn_float(group, d / 16) != 0;
 }
 #else
 static int whole_request_items(int group, int num_kv_heads, int d) { (void)group; (void)num_kv_heads; (void)d; return 0; }
@@ -433,6 +492,14 @@ static int whole_request_items(int group, int num_kv_heads, int d) { (void)group
 #define item_avx_bf16 item_bf16
 #define item_avx_fp8 item_fp8
 #endif
+
+/* Outputs of `heads` heads divided by their softmax sums (0 where a sum is 0: nothing visible). */
+static void normalize(float *restrict o, const float *restrict l, int heads, int d) {
+    for (int h = 0; h < heads; h++) {
+        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        for (int j = 0; j < d; j++) o[(int64_t)h * d + j] *= inv;
+    }
+}
 
 /* How many splits a request of n visible tokens gets: enough items for every thread, but splits
  * of at least MIN_SPLIT tokens (merging costs a little per split). */
@@ -470,9 +537,10 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     const int total_splits = first[num_reqs];                                                     \
     const int64_t items = (int64_t)total_splits * per_split;                                      \
     /* Partial results per (split, query head): max, sum, unnormalized output. */                \
-    float *pm = (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads);                \
-    float *pl = (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads);                \
-    float *po = (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads * d);            \
+    const int merge = total_splits > num_reqs;                                                    \
+    float *pm = merge ? (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads) : NULL; \
+    float *pl = merge ? (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads) : NULL; \
+    float *po = merge ? (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads * d) : NULL; \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                              \
     for (int64_t it = 0; it < items; it++) {                                                      \
         const int split_index = (int)(it / per_split);                                            \
@@ -489,23 +557,26 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
         const int n = len - start;                                                                \
         const int t0 = (int)((int64_t)n * k / nsplit), t1 = (int)((int64_t)n * (k + 1) / nsplit); \
         const int32_t *blocks = block_table + (int64_t)r * max_blocks;                            \
-        if (whole) {                                                                              \
-            const int64_t slot = (int64_t)split_index * num_heads;                                \
-            WHOLE(q + (int64_t)r * num_heads * d, cache, page_stride, block_size, blocks, start,  \
-                  t0, t1, num_kv_heads, group, d, row, v_offset, scale, po + slot * d, pm + slot, \
-                  pl + slot);                                                                     \
-            continue;                                                                             \
-        }                                                                                         \
-        const int h0 = kh * group + c * MAX_GROUP;                                                \
+        const int h0 = whole ? 0 : kh * group + c * MAX_GROUP;                                    \
         const int g = group - c * MAX_GROUP < MAX_GROUP ? group - c * MAX_GROUP : MAX_GROUP;      \
         const int64_t slot = (int64_t)split_index * num_heads + h0;                               \
-        ITEM(q + ((int64_t)r * num_heads + h0) * d, cache, page_stride, block_size, blocks,       \
-             start, t0, t1, kh, g, d, row, v_offset, scale, po + slot * d, pm + slot, pl + slot); \
+        /* A request of one split has nothing to merge: its item writes out itself. */           \
+        float own_m[MAX_ITEM_HEADS], own_l[MAX_ITEM_HEADS];                                       \
+        float *io = nsplit == 1 ? out + ((int64_t)r * num_heads + h0) * d : po + slot * d;       \
+        float *im = nsplit == 1 ? own_m : pm + slot, *il = nsplit == 1 ? own_l : pl + slot;       \
+        if (whole)                                                                                \
+            WHOLE(q + (int64_t)r * num_heads * d, cache, page_stride, block_size, blocks, start,  \
+                  t0, t1, num_kv_heads, group, d, row, v_offset, scale, io, im, il);              \
+        else                                                                                      \
+            ITEM(q + ((int64_t)r * num_heads + h0) * d, cache, page_stride, block_size, blocks,   \
+                 start, t0, t1, kh, g, d, row, v_offset, scale, io, im, il);                      \
+        if (nsplit == 1) normalize(io, il, whole ? num_heads : g, d);                             \
     }                                                                                             \
+    if (total_splits == num_reqs) { free(first); return; }                                        \
     /* Merge each request's splits: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s. */      \
     _Pragma("omp parallel for schedule(static)")                                                  \
     for (int r = 0; r < num_reqs; r++) {                                                          \
-        for (int h = 0; h < num_heads; h++) {                                                     \
+        for (int h = 0; h < num_heads && first[r + 1] - first[r] > 1; h++) {                      \
             float M = -INFINITY;                                                                  \
             for (int sp = first[r]; sp < first[r + 1]; sp++)                                      \
                 if (pm[(int64_t)sp * num_heads + h] > M) M = pm[(int64_t)sp * num_heads + h];     \
