@@ -254,7 +254,8 @@ def rope_for_layer_type(cfg: dict[str, Any], layer_type: str) -> tuple[float, di
     if not params:
         params = dict(cfg.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = _canonical_rope_type(cfg, params.pop("type", params.get("rope_type", "default")))
+    legacy_type = params.pop("type", "default")  # the pre-4.45 name; rope_type wins when both are set
+    rope_type = _canonical_rope_type(cfg, params.get("rope_type", legacy_type))
     if rope_type == "default":
         return theta, None
     params["rope_type"] = rope_type
