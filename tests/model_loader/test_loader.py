@@ -99,3 +99,22 @@ def test_qwen3_next_skips_multi_token_prediction_weights(tmp_path):
     stray = ("model.extra.weight", torch.zeros(1))
     with pytest.raises(ValueError, match="no matching parameter"):
         load_weights(model, config, [*iter_checkpoint_weights(config), stray])
+
+
+def test_gguf_rope_scaling_is_refused(tmp_path):
+    """GGUF's rope scaling metadata is not read: such a file is refused, not run as default rope."""
+    import gguf
+
+    from tokenos.model_loader.gguf_loader import read_gguf_config
+
+    path = str(tmp_path / "yarn.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_string("llama.rope.scaling.type", "yarn")
+    writer.add_float32("llama.rope.scaling.factor", 4.0)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="llama.rope.scaling.type 'yarn' is not supported"):
+        read_gguf_config(path)

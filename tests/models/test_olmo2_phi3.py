@@ -1,7 +1,7 @@
 """OLMo 2 and Phi-3 beyond the shared dense parity cases (tests/models/test_parity.py): Phi-3's partial
-rotary really is partial, its unimplemented rope scalings are refused, and both families (and Granite,
-with its muP multipliers) generate transformers' greedy tokens through `LLM` under a small chunked-prefill
-budget."""
+rotary really is partial, rope types other than default / longrope are refused, and both families (and
+Granite, with its muP multipliers) generate transformers' greedy tokens through `LLM` under a small
+chunked-prefill budget."""
 
 from __future__ import annotations
 
@@ -17,20 +17,15 @@ def test_phi3_partial_rotary_dim(make_checkpoint):
     assert model.stack.rotary.rotary_dim == config.head_dim // 2
 
 
-def test_phi3_longrope_is_refused(make_checkpoint):
-    from tokenos.models import build_model, load_model_config
+def test_phi3_refuses_rope_types_transformers_refuses(make_checkpoint):
+    """Phi-3 takes default and longrope (tests/models/test_rope_scaling.py); any other type is refused when
+    the model is built, as transformers' Phi3Config refuses it."""
+    from tokenos.models import load_model_config
     from tokenos.models.phi3 import Phi3ForCausalLM
 
-    half = 16 // 2  # head_dim 16, full rotary
-    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half}
-    rope |= {"long_factor": [2.0] * half, "original_max_position_embeddings": 64}
-    folder, _ = make_checkpoint("phi3", rope_parameters=rope, original_max_position_embeddings=64)
-    with pytest.raises(ValueError, match="longrope"):
-        build_model(load_model_config(folder, dtype="float32"))
-    # The model itself refuses it too, whatever the config layer lets through.
     config = load_model_config(make_checkpoint("phi3")[0], dtype="float32")
-    config.hf_config["rope_parameters"] = rope
-    with pytest.raises(ValueError, match="rope_scaling type 'longrope' is not supported yet"):
+    config.rope_scaling = {"rope_type": "linear", "factor": 2.0}
+    with pytest.raises(ValueError, match="Phi3: rope_type 'linear' is not one of default, longrope"):
         Phi3ForCausalLM(config)
 
 

@@ -76,6 +76,11 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ValueError(f"{path}: GGUF rope_freqs (Llama 3.1-style rope scaling) is not supported yet")
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    unscaled = scaling == "none" or (scaling == "linear" and factor == 1)
+    if not unscaled:  # yarn / linear metadata: running it as default rope would be silently wrong
+        raise ValueError(f"{path}: GGUF {arch}.rope.scaling.type {scaling!r} is not supported yet")
     embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
     return {
         "architecture": GGUF_ARCHITECTURES[arch],

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from tokenos.config import QUANTIZATION_CHOICES
+from tokenos.layers.rotary import rope_type_of
 from tokenos.model_loader.embedded import default_model_path
 from tokenos.model_loader.gguf_loader import read_gguf_config
 from tokenos.model_loader.gptq_awq import PREQUANTIZED_METHODS, parse_quantization_config
@@ -152,8 +153,23 @@ def load_model_config(
     fields["quantization"] = resolve_quantization(
         quantization, "gguf_file" in fields, fields.get("hf_config", {})
     )
-    fields["max_model_len"] = _resolve_max_model_len(fields["max_position_embeddings"], max_model_len)
+    derived = derived_max_model_len(fields["max_position_embeddings"], fields.get("rope_scaling"))
+    fields["max_model_len"] = _resolve_max_model_len(derived, max_model_len)
     return ModelConfig(model_path=path, **fields)
+
+
+def derived_max_model_len(max_position_embeddings: int, scaling: dict[str, Any] | None) -> int:
+    """The context a checkpoint supports, as vLLM derives it: yarn ``original_max_position_embeddings *
+    factor`` (Qwen's recipe adds yarn to a config whose max_position_embeddings is the original length);
+    dynamic NTK ``max_position_embeddings * factor`` (it only changes anything past the original length);
+    every other type, llama3 and longrope included, ``max_position_embeddings`` (their configs already
+    say the extended length)."""
+    rope_type = (scaling or {}).get("rope_type", "default")
+    if rope_type == "yarn":
+        return int(scaling["original_max_position_embeddings"] * scaling["factor"])
+    if rope_type == "dynamic":
+        return int(max_position_embeddings * scaling["factor"])
+    return max_position_embeddings
 
 
 def _resolve_max_model_len(derived: int, requested: int | None) -> int:
@@ -228,22 +244,59 @@ def rope_for_layer_type(cfg: dict[str, Any], layer_type: str) -> tuple[float, di
     layers (no scaling) beside ``rope_theta`` + ``rope_scaling`` for the full ones. Every other config has
     one set, whatever the type."""
     params = dict(cfg.get("rope_parameters") or {})
+    nested = bool(params) and all(isinstance(p, dict) for p in params.values())
     if layer_type in params and isinstance(params[layer_type], dict):
         params = dict(params[layer_type])
-    elif params and all(isinstance(p, dict) for p in params.values()):
+    elif nested:
         params = dict(params.get("full_attention") or {})  # keyed by type, this one absent
     elif layer_type == "sliding_attention" and "rope_local_base_freq" in cfg:
         return float(cfg["rope_local_base_freq"]), None
     if not params:
         params = dict(cfg.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    legacy_type = params.pop("type", "default")  # the pre-4.45 name; rope_type wins when both are set
+    rope_type = _canonical_rope_type(cfg, params.get("rope_type", legacy_type))
     if rope_type == "default":
         return theta, None
-    if rope_type not in ("llama3", "linear"):
-        raise ValueError(f"Unsupported rope_type {rope_type!r}; supported: default, linear, llama3")
     params["rope_type"] = rope_type
-    return theta, params
+    return theta, _standardize_scaling(cfg, params, nested)
+
+
+def _canonical_rope_type(cfg: dict[str, Any], rope_type: str) -> str:
+    """Phi-3 configs call longrope "su" or "yarn" (transformers' Phi3Config renames both); "su" means
+    longrope wherever it appears (as vLLM reads it)."""
+    if rope_type == "su" or (rope_type == "yarn" and cfg.get("model_type") == "phi3"):
+        return "longrope"
+    return rope_type
+
+
+def _standardize_scaling(cfg: dict[str, Any], params: dict[str, Any], nested: bool) -> dict[str, Any]:
+    """Fill in the fields transformers derives from the rest of the config, then check the scaling is
+    one `tokenos.layers.rotary` implements, with every field it needs (a ValueError naming the field)."""
+    max_len = cfg.get("max_position_embeddings", 2048)
+    rope_type = params["rope_type"]
+    if rope_type in ("llama3", "yarn", "longrope"):
+        params["original_max_position_embeddings"] = _original_max_len(cfg, params, nested)
+    # A null yarn factor, or an absent longrope one, is the ratio of the two lengths (DeepSeek, Phi-3).
+    unset = params.get("factor") is None and (rope_type == "longrope" or "factor" in params)
+    if rope_type in ("yarn", "longrope") and unset:
+        params["factor"] = max_len / params["original_max_position_embeddings"]
+    if rope_type == "dynamic":
+        params["max_position_embeddings"] = max_len  # where the NTK base starts to grow
+    rope_type_of(params)
+    return params
+
+
+def _original_max_len(cfg: dict[str, Any], params: dict[str, Any], nested: bool) -> int:
+    """transformers' ``standardize_rope_params``: a top-level ``original_max_position_embeddings`` wins
+    over the one in the rope parameters (Phi-3 saves it there, its config class defaulting it to 4096);
+    without either, ``max_position_embeddings``. Per-layer-type parameters only take their own."""
+    top = cfg.get("original_max_position_embeddings")
+    if top is None and cfg.get("model_type") == "phi3":
+        top = 4096
+    if top is not None and not nested:
+        return int(top)
+    return int(params.get("original_max_position_embeddings") or cfg.get("max_position_embeddings", 2048))
 
 
 # Gemma: one full-attention layer in every `pattern` (transformers' default when a config has no layer_types).

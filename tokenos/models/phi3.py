@@ -2,8 +2,10 @@
 
 The checkpoint's ``qkv_proj`` and ``gate_up_proj`` are split into our fused layers' shards at load (so
 the loader still checks every shard arrives); ``partial_rotary_factor`` rotates only the first
-``head_dim * factor`` dims of each head. Only default rope is implemented: Phi-3's longrope (``su``,
-``yarn``) is refused when the model is built rather than run wrong.
+``head_dim * factor`` dims of each head. Rope is default or longrope (the "128k" checkpoints; their configs
+may call it ``su`` or ``yarn``, `tokenos.models.config` reads both as longrope); transformers' Phi3Config
+refuses any other type, and so does this model. How longrope's short / long factors are chosen per
+position is in `tokenos.layers.rotary`.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from tokenos.models.base import CausalLM
 from tokenos.models.config import ModelConfig
 from tokenos.models.llama import DecoderModel
 
+_PHI3_ROPE_TYPES = ("default", "longrope")
+
 
 def _rope_settings(config: ModelConfig) -> tuple[str, float]:
-    """(rope type, partial rotary factor) from the checkpoint's rope_parameters / rope_scaling."""
+    """(rope type as resolved by the config layer, partial rotary factor from the checkpoint's
+    rope_parameters / rope_scaling or its top level)."""
     cfg = config.hf_config
     params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = (config.rope_scaling or {}).get("rope_type", "default")
     factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
     return rope_type, float(factor)
 
@@ -47,9 +52,8 @@ class Phi3ForCausalLM(CausalLM):
 
     def __init__(self, config: ModelConfig) -> None:
         rope_type, factor = _rope_settings(config)
-        if rope_type != "default" or config.rope_scaling is not None:
-            rope_type = rope_type if rope_type != "default" else config.rope_scaling.get("rope_type")
-            raise ValueError(f"Phi3: rope_scaling type {rope_type!r} is not supported yet")
+        if rope_type not in _PHI3_ROPE_TYPES:
+            raise ValueError(f"Phi3: rope_type {rope_type!r} is not one of {', '.join(_PHI3_ROPE_TYPES)}")
         rotary_dim = int(config.head_dim * factor)
         super().__init__(config, "model", DecoderModel(config, rotary_dim=rotary_dim))
         for layer in self.stack.layers:
