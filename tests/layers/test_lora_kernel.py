@@ -47,8 +47,28 @@ def test_kernel_matches_the_reference(dtype, k, sizes, ranks):
     want = y.clone()
     apply_torch(x[5:19], want[5:19], w)
     apply_torch(x[19:20], want[19:20], one)
-    step.segments = [("a", 5, 19), ("b", 19, 20), ("missing", 20, 23)]
+    step.set([("a", 5, 19), ("b", 19, 20), ("missing", 20, 23)])
     got = layer(x, y.clone())
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()))
     assert torch.equal(got[:5], y[:5]) and torch.equal(got[20:], y[20:])  # outside the segments: untouched
+
+
+def test_long_segments_take_torch_and_short_ones_the_kernel_in_one_step(monkeypatch):
+    import tokenos.lora.layers as layers
+
+    gen = torch.Generator().manual_seed(1)
+    w = _weights(64, [32, 16], [4, 4], torch.float32, gen)
+    monkeypatch.setattr(layers, "KERNEL_MAX_MACS", 2 * w.macs_per_token)  # 1-2 tokens: the kernel
+    calls = []
+    monkeypatch.setattr(layers, "apply_matmul", lambda x, y, w: calls.append(len(x)) or apply_torch(x, y, w))
+    step = LoRAStep()
+    layer = LoRALayer(step)
+    layer.add("a", w)
+    x, y = torch.randn(12, 64, generator=gen), torch.randn(12, 48, generator=gen)
+    want = y.clone()
+    apply_torch(x[0:9], want[0:9], w)
+    apply_torch(x[10:12], want[10:12], w)
+    step.set([("a", 0, 9), ("b", 9, 10), ("a", 10, 12)])
+    torch.testing.assert_close(layer(x, y.clone()), want)
+    assert calls == [9]  # the 2-token segment went to the kernel

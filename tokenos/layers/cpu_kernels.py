@@ -166,7 +166,7 @@ def load() -> ctypes.CDLL | None:
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
     for suffix in DTYPES.values():
-        getattr(lib, f"lora_apply_{suffix}").argtypes = [_P, _I64, _P, _I64, _I64, _P]
+        getattr(lib, f"lora_apply_{suffix}").argtypes = [_P, _I64, _P, _I64, _I, _P, _P, _P]
         getattr(lib, f"lora_apply_{suffix}").restype = None
     lib.lora_max_rank.argtypes = []
     return lib
@@ -174,7 +174,8 @@ def load() -> ctypes.CDLL | None:
 
 def lora_kernel(dtype: torch.dtype):
     """csrc/lora.c's ``lora_apply_*`` for tensors of ``dtype`` (x, x's row stride, y, y's row stride,
-    tokens, a `LoRADesc` address), or None without the library; and the most t entries it takes."""
+    the number of segments, their int64 starts and ends, one `LoRADesc` address or NULL each), or None
+    without the library; and the most t entries it takes."""
     lib = load()
     if lib is None or dtype not in DTYPES:
         return None, 0

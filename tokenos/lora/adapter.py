@@ -23,6 +23,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -73,6 +74,10 @@ class ModuleWeights:
     a: torch.Tensor  # [sum r, in]
     pieces: list[Piece]
     desc: Any = None  # the C kernel's descriptor of the above (`tokenos.lora.layers`), once made
+
+    @cached_property
+    def macs_per_token(self) -> int:
+        return self.a.numel() + sum(p.rows * p.size for p in self.pieces)
 
 
 def content_hash(path: str) -> str:

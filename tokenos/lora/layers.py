@@ -6,8 +6,8 @@ The worker orders the step's rows by adapter, so the tokens of one adapter are o
 output columns: no gather of tokens and no per-token weights. Rows without an adapter, and adapters that
 do not target a module, simply have no segment there.
 
-Short segments (decode: a few tokens per adapter) take the C kernel (``csrc/lora.c``: one call per
-segment, float32 arithmetic rounded once into ``y``), where torch's two matmuls on a few tens of columns
+Small segments (decode: a few tokens per adapter) take the C kernel (``csrc/lora.c``: one call for all
+of them, float32 arithmetic rounded once into ``y``), where torch's two matmuls on a few tens of columns
 cost more in dispatch than in work; long ones (prefill), or every one without the kernel, take torch's
 GEMMs (`apply_matmul`). `apply_torch` is the kernel's float32 reference.
 """
@@ -21,16 +21,25 @@ import torch
 from tokenos.layers import cpu_kernels
 from tokenos.lora.adapter import ModuleWeights
 
-# Segments up to this many tokens take the C kernel; longer ones torch's GEMMs (measured single-threaded
-# on a Zen 4 core, bf16, SmolLM2's shapes: the kernel 1.2-2x faster at 16 tokens, 1.5-2.4x slower at 64).
-KERNEL_MAX_TOKENS = 32
+# A segment whose multiply-adds (tokens x (rank x in + sum of rows x size)) stay under this takes the C
+# kernel, a larger one torch's GEMMs. Measured on 2 Zen 4 threads, bf16, SmolLM2's shapes at rank 16:
+# torch costs 50-170 us whatever the size, the kernel ~35-40 us per million; they cross at 2-4 million
+# (qkv near 128 tokens, gate_up near 32).
+KERNEL_MAX_MACS = 3_000_000
 
 
 class LoRAStep:
-    """This step's ``(adapter key, first token, end token)`` segments, shared by every adapted linear."""
+    """This step's ``(adapter key, first token, end token)`` segments, shared by every adapted linear
+    (with their bounds as the kernel's int64 arrays)."""
 
     def __init__(self) -> None:
         self.segments: list[tuple[str, int, int]] = []
+        self.starts = self.ends = (ctypes.c_int64 * 0)()
+
+    def set(self, segments: list[tuple[str, int, int]]) -> None:
+        self.segments = segments
+        self.starts = (ctypes.c_int64 * len(segments))(*(s for _, s, _ in segments))
+        self.ends = (ctypes.c_int64 * len(segments))(*(e for _, _, e in segments))
 
 
 class LoRALayer:
@@ -45,26 +54,33 @@ class LoRALayer:
         self.weights[key] = weights
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        segments = self.step.segments
-        if not segments:
+        step = self.step
+        if not step.segments:
             return y
         kernel, _ = cpu_kernels.lora_kernel(y.dtype)
         fast = kernel is not None and x.dtype == y.dtype and x.stride(-1) == 1 and y.stride(-1) == 1
-        for key, start, end in segments:
+        descs: list[int | None] = []  # per segment: the kernel's descriptor, None where it does not run
+        for key, start, end in step.segments:
             w = self.weights.get(key)
-            if w is None:
+            small = w is not None and (end - start) * w.macs_per_token <= KERNEL_MAX_MACS
+            if fast and small and w.desc is not None and w.a.dtype == y.dtype:
+                descs.append(w.desc[0])
                 continue
-            if fast and end - start <= KERNEL_MAX_TOKENS and w.desc is not None and w.a.dtype == y.dtype:
-                kernel(
-                    x.data_ptr() + start * x.stride(0) * x.element_size(),
-                    x.stride(0),
-                    y.data_ptr() + start * y.stride(0) * y.element_size(),
-                    y.stride(0),
-                    end - start,
-                    w.desc[0],
-                )
-            else:
+            descs.append(None)
+            if w is not None:
                 apply_matmul(x[start:end], y[start:end], w)
+        if any(descs):
+            pointers = (ctypes.c_void_p * len(descs))(*descs)
+            kernel(
+                x.data_ptr(),
+                x.stride(0),
+                y.data_ptr(),
+                y.stride(0),
+                len(descs),
+                step.starts,
+                step.ends,
+                pointers,
+            )
         return y
 
 

@@ -138,4 +138,4 @@ class LoRAManager:
         for key, _, _ in segments:
             if key not in self.loaded:
                 raise RuntimeError(f"LoRA adapter {key} is scheduled but not loaded")
-        self.step.segments = segments
+        self.step.set(segments)

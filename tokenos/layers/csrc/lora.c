@@ -1,4 +1,4 @@
-/* Multi-LoRA: one adapter's delta over one contiguous segment of a step's tokens, in one call.
+/* Multi-LoRA: every adapter's delta over its contiguous segment of a step's tokens, in one call.
  *
  *   y[i, off_p : off_p + size_p] += sum_r t[i, r0_p + r] * bt_p[r, :]    for each piece p
  *   with t[i, :] = A x[i, :]                                              (A: [R, K], rows contiguous)
@@ -93,13 +93,24 @@ static void NAME##_expand(float t[LORA_BLOCK][LORA_MAX_RANK], int nb, const stru
     }                                                                                              \
 }                                                                                                  \
                                                                                                    \
-void NAME(const T *x, int64_t x_stride, T *y, int64_t y_stride, int64_t num_tokens,               \
-          const struct lora_desc *d) {                                                             \
-    const int64_t blocks = (num_tokens + LORA_BLOCK - 1) / LORA_BLOCK;                             \
+/* Every segment of the step in one call (one parallel region, not one per adapter): segment s is    \
+ * tokens [starts[s], ends[s]) under descs[s] (NULL: this linear has no piece of that adapter). */  \
+void NAME(const T *x, int64_t x_stride, T *y, int64_t y_stride, int num_segments,                  \
+          const int64_t *starts, const int64_t *ends, const struct lora_desc *const *descs) {      \
+    int64_t first[num_segments + 1]; /* the flat index of each segment's first block */            \
+    first[0] = 0;                                                                                  \
+    for (int s = 0; s < num_segments; s++) {                                                       \
+        const int64_t n = descs[s] ? ends[s] - starts[s] : 0;                                      \
+        first[s + 1] = first[s] + (n + LORA_BLOCK - 1) / LORA_BLOCK;                               \
+    }                                                                                              \
+    const int64_t blocks = first[num_segments];                                                    \
     _Pragma("omp parallel for schedule(static) if (blocks > 1)")                                   \
     for (int64_t b = 0; b < blocks; b++) {                                                         \
-        const int64_t i = b * LORA_BLOCK;                                                          \
-        const int nb = num_tokens - i < LORA_BLOCK ? (int)(num_tokens - i) : LORA_BLOCK;           \
+        int s = 0;                                                                                 \
+        while (first[s + 1] <= b) s++;                                                             \
+        const struct lora_desc *d = descs[s];                                                      \
+        const int64_t i = starts[s] + (b - first[s]) * LORA_BLOCK;                                 \
+        const int nb = ends[s] - i < LORA_BLOCK ? (int)(ends[s] - i) : LORA_BLOCK;                 \
         float t[LORA_BLOCK][LORA_MAX_RANK];                                                        \
         /* a short block repeats its first row: its extra sums are computed, never stored */        \
         NAME##_shrink(x + i * x_stride, x_stride, nb, d, t);                                       \
