@@ -247,7 +247,8 @@ def rope_for_layer_type(cfg: dict[str, Any], layer_type: str) -> tuple[float, di
 
 
 # Gemma: one full-attention layer in every `pattern` (transformers' default when a config has no layer_types).
-_GEMMA_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+# gpt-oss follows the same rule with Gemma 2's pattern: sliding on even layers, full on odd ones.
+_GEMMA_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2}
 
 
 def _sliding_windows_from_hf(cfg: dict[str, Any], architecture: str) -> tuple[int | None, tuple]:

@@ -1,0 +1,207 @@
+"""gpt-oss against transformers on tiny random checkpoints (tests/fixtures/checkpoints.py's ``gpt_oss``: 4
+experts top 2, a window of 8 on layer 0 and full attention on layer 1, sinks drawn away from zero, a
+``swiglu_limit`` the activations cross).
+
+Per-step logits over the engine's paged pool (`PagedRunner`) under full and chunked prefill, decodes,
+mixed batches and a prefix hit whose shared pages cross the window; the sinks matter (zeroing them changes
+the logits, and transformers with zeroed sinks agrees with ours); the experts' checkpoint layout
+(transposed, gate / up interleaved) and router against transformers' own modules; the two KV-cache groups;
+the refusals; greedy parity through `LLM` under chunked prefill, prefix hits, preemption and n > 1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.fixtures.checkpoints import LLM_SHAPE, hf_config, load_ours, save_tiny
+from tests.fixtures.llm import DENSE, make_llm
+from tests.fixtures.paged_runner import PagedRunner, assert_close_logits, check_request, hf_logits
+from tokenos.config import CacheConfig
+from tokenos.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
+from tokenos.models.gpt_oss import GptOssExperts, route
+
+PROMPT = [(i * 37 + 11) % 120 + 3 for i in range(45)]
+WINDOW = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """(folder, transformers reference, our model) of the TINY-shaped checkpoint."""
+    folder = str(tmp_path_factory.mktemp("gpt_oss"))
+    ref = save_tiny("gpt_oss", folder)
+    model, _ = load_ours(folder)
+    return folder, ref, model
+
+
+@pytest.fixture(scope="module")
+def llm_checkpoint(tmp_path_factory):
+    """(folder, transformers reference) of the LLM_SHAPE checkpoint the end-to-end tests generate from."""
+    folder = str(tmp_path_factory.mktemp("gpt_oss_llm"))
+    return folder, save_tiny("gpt_oss", folder, **LLM_SHAPE)
+
+
+def test_full_prefill_matches(tiny):
+    _, ref, model = tiny
+    runner = PagedRunner(model, block_size=16)
+    runner.step([(0, PROMPT)])
+    assert_close_logits(runner.request_logits(0), hf_logits(ref, PROMPT))
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_chunked_prefill_then_decode_matches(tiny, block_size):
+    _, ref, model = tiny
+    runner = PagedRunner(model, block_size=block_size, seed=block_size)
+    start = 0
+    for size in (7, 13, 1, 9):  # odd chunks, one a single token; every chunk after the first crosses 8
+        runner.step([(0, PROMPT[start : start + size])])
+        start += size
+    for token in PROMPT[start:]:
+        runner.step([(0, [token])])
+    assert_close_logits(runner.request_logits(0), hf_logits(ref, PROMPT))
+
+
+def test_mixed_batch_and_prefix_hit_across_the_window(tiny):
+    """Request 1 adopts request 0's first 32 tokens (4 windows) and computes its own tail beside request
+    0's decodes and request 2's prefill chunks, in one forward per step."""
+    _, ref, model = tiny
+    runner = PagedRunner(model, block_size=16, num_blocks=32, seed=5, max_model_len=64)
+    runner.step([(0, PROMPT[:20])])
+    runner.step([(0, PROMPT[20:40]), (2, PROMPT[5:17])])
+    runner.adopt(1, 0, 32)
+    tail = [(t * 3 + 1) % 120 + 3 for t in PROMPT[:9]]
+    runner.step([(2, PROMPT[17:30]), (1, tail[:5]), (0, [PROMPT[40]])])
+    runner.step([(1, tail[5:]), (0, [PROMPT[41]]), (2, [PROMPT[30]])])
+    for _ in range(3):
+        runner.step([(r, [runner.greedy(r)]) for r in (0, 1, 2)])
+    for r in (0, 1, 2):
+        runner.num_greedy[r] = 3
+        check_request(runner, ref, r, first=32 if r == 1 else 0)
+
+
+def test_sinks_matter(tiny):
+    """Zeroed sinks change the logits; transformers with the same zeroed sinks still agrees with ours (a
+    zero sink is a key with logit 0, not no sink)."""
+    folder, ref, _ = tiny
+    model, _ = load_ours(folder)
+    for layer in model.stack.layers:
+        layer.self_attn.sinks.data.zero_()
+    runner = PagedRunner(model, block_size=16)
+    runner.step([(0, PROMPT[:30])])
+    for token in PROMPT[30:34]:
+        runner.step([(0, [token])])
+    ours = runner.request_logits(0)
+    want = hf_logits(ref, PROMPT[:34])
+    assert (ours - want).abs().max() > 1e-2
+    saved = {n: p.detach().clone() for n, p in ref.named_parameters() if n.endswith("sinks")}
+    try:
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                if n.endswith("sinks"):
+                    p.zero_()
+        assert_close_logits(ours, hf_logits(ref, PROMPT[:34]))
+    finally:
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                if n in saved:
+                    p.copy_(saved[n])
+
+
+def test_experts_and_router_match_transformers_modules():
+    """Our stacked experts, loaded from transformers' own parameters (checkpoint layout), against its
+    ``GptOssExperts`` on activations large enough that both clamps bite; the router against its
+    ``GptOssTopKRouter``."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts as HfExperts
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    cfg = hf_config("gpt_oss", num_local_experts=6, num_experts_per_tok=3)
+    torch.manual_seed(0)
+    hf_experts, hf_router = HfExperts(cfg), GptOssTopKRouter(cfg)
+    with torch.no_grad():
+        for p in (*hf_experts.parameters(), *hf_router.parameters()):
+            p.normal_(0, 0.3)
+    e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+    ours = GptOssExperts(e, h, i, cfg.swiglu_alpha, cfg.swiglu_limit, torch.float32)
+    for name, param in ours.named_parameters():
+        loader = getattr(param, "weight_loader", None)
+        src = getattr(hf_experts, name).data
+        loader(param, src) if loader else param.data.copy_(src)
+    x = torch.randn(37, h) * 2
+    pre = x @ hf_experts.gate_up_proj[0] + hf_experts.gate_up_proj_bias[0]
+    assert (pre[:, ::2] > cfg.swiglu_limit).any() and (pre[:, 1::2] < -cfg.swiglu_limit).any()
+    _, hf_weights, hf_chosen = hf_router(x)
+    weights, chosen = route(torch.nn.functional.linear(x, hf_router.weight, hf_router.bias), 3)
+    assert torch.equal(chosen, hf_chosen)
+    torch.testing.assert_close(weights, hf_weights)
+    with torch.no_grad():
+        want = hf_experts(x, hf_chosen, hf_weights)
+    torch.testing.assert_close(ours(x, chosen, weights), want, rtol=1e-5, atol=1e-5)
+
+
+def test_two_kv_cache_groups_and_layout(tiny):
+    _, _, model = tiny
+    specs = model.get_kv_cache_spec(CacheConfig(block_size=16))
+    sliding, full = specs.values()
+    assert type(sliding) is SlidingWindowSpec and sliding.sliding_window == WINDOW
+    assert type(full) is FullAttentionSpec
+    assert all(layer.self_attn.attn.explicit for layer in model.stack.layers)
+    assert model.stack.layers[0].self_attn.attn.sinks is model.stack.layers[0].self_attn.sinks
+
+
+def _edit_config(folder: str, **fields) -> None:
+    path = f"{folder}/config.json"
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg.update(fields)
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+
+
+@pytest.mark.parametrize(
+    "fields,match",
+    [
+        ({"quantization_config": {"quant_method": "mxfp4"}}, "mxfp4"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 32.0}}, "yarn"),
+        ({"layer_types": ["sliding_attention", "chunked_attention"]}, "chunked_attention"),
+    ],
+    ids=["mxfp4", "yarn", "layer_type"],
+)
+def test_refuses_what_it_does_not_implement(tmp_path, fields, match):
+    folder = str(tmp_path / "gpt_oss")
+    save_tiny("gpt_oss", folder)
+    _edit_config(folder, **fields)
+    with pytest.raises(ValueError, match=match):
+        load_ours(folder)
+
+
+def test_greedy_parity_chunked_prefill_and_n_samples(llm_checkpoint):
+    folder, ref = llm_checkpoint
+    prompts = DENSE.prompts(4, 5, 40, seed=21)
+    llm = make_llm(folder, block_size=16, max_num_batched_tokens=8)  # every prompt over several chunks
+    DENSE.check(DENSE.run(llm, prompts), prompts, ref)
+    prompts = DENSE.prompts(2, 6, 30, seed=5)
+    outputs = DENSE.run(llm, prompts, n=3)
+    assert all(len(out.outputs) == 3 for out in outputs)
+    DENSE.check(outputs, prompts, ref)
+
+
+def test_greedy_parity_prefix_hits_across_the_window(llm_checkpoint):
+    folder, ref = llm_checkpoint
+    shared = DENSE.prompts(1, 40, 40, seed=7)[0]  # 40 tokens: 5 windows, 2.5 blocks of 16
+    prompts = [shared + tail for tail in DENSE.prompts(3, 1, 12, seed=8)] + [shared]
+    llm = make_llm(folder, block_size=16, max_num_batched_tokens=32)
+    DENSE.check(DENSE.run(llm, prompts), prompts, ref)
+    again = DENSE.run(llm, prompts)
+    DENSE.check(again, prompts, ref)
+    assert all(o.num_cached_tokens >= 32 for o in again), [o.num_cached_tokens for o in again]
+
+
+def test_greedy_parity_under_preemption(llm_checkpoint):
+    folder, ref = llm_checkpoint
+    prompts = DENSE.prompts(8, 30, 60, seed=11)
+    # Blocks of 8 (one window): 24 of them cannot hold 8 requests of ~55 tokens, the scheduler must preempt.
+    llm = make_llm(folder, block_size=8, num_kv_blocks=24, max_model_len=72, enable_prefix_caching=False)
+    outputs = DENSE.run(llm, prompts)
+    assert llm.get_metrics()["num_preemptions"] > 0
+    DENSE.check(outputs, prompts, ref)
