@@ -13,9 +13,11 @@ What sets it apart from `tokenos.models.llama` (transformers' ``modeling_gpt_oss
 Checkpoints hold the experts stacked and transposed relative to ``nn.Linear`` (``experts.gate_up_proj``
 ``[E, H, 2I]``, ``experts.down_proj`` ``[E, I, H]``, biases ``[E, 2I]`` / ``[E, H]``); the loaders transpose
 them and split the interleaved gate / up into halves once, so each expert runs as two ``F.linear`` calls.
-MXFP4 checkpoints (``*_blocks`` / ``*_scales``, the released ones) are refused by the config layer (no
-quantization method of ours reads them); a dense (bf16 / float32) save loads. Real checkpoints use yarn
-rope scaling, which `tokenos.layers.rotary` has to provide: until it does, such a config is refused there.
+MXFP4 checkpoints (the released ones: ``experts.{gate_up,down}_proj_blocks`` / ``_scales``, everything
+else dense) load their experts as uint8 and dequantize them (`tokenos.layers.mxfp4`, lossless) in
+``pack``, into the same stacked layout as a dense save; no kernel computes on MXFP4 itself. Real
+checkpoints use yarn rope scaling, which `tokenos.layers.rotary` has to provide: until it does, such a
+config is refused there.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tokenos.layers.attention import Attention
 from tokenos.layers.embedding import VocabEmbedding
 from tokenos.layers.layernorm import RMSNorm
 from tokenos.layers.linear import Linear, _upcast_linear
+from tokenos.layers.mxfp4 import BLOCK, dequantize_mxfp4
 from tokenos.layers.quantization import ONLINE_METHODS, QuantizedWeight, quantize
 from tokenos.layers.rotary import RotaryEmbedding
 from tokenos.layers.weights import make_param
@@ -55,7 +58,8 @@ def _check_shape(loaded: torch.Tensor, shape: tuple[int, ...], what: str) -> Non
 class GptOssExperts(nn.Module):
     """``num_experts`` clamped-SwiGLU MLPs with biases, stacked in ``F.linear`` layout: ``gate_up_proj``
     ``[E, 2I, H]`` (gate rows, then up rows), ``down_proj`` ``[E, H, I]``; parameter names are the
-    checkpoint's."""
+    checkpoint's. ``mxfp4``: the weights load as the checkpoint's uint8 ``*_blocks`` / ``*_scales`` instead
+    and become those two stacked weights in ``pack``."""
 
     def __init__(
         self,
@@ -65,20 +69,46 @@ class GptOssExperts(nn.Module):
         alpha: float,
         limit: float,
         dtype: torch.dtype,
+        mxfp4: bool = False,
     ) -> None:
         super().__init__()
         self.num_experts, self.hidden_size = num_experts, hidden_size
         self.intermediate_size = intermediate_size
         self.alpha, self.limit = alpha, limit
-        self.gate_up_proj = make_param(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype)
+        self.dtype = dtype
         self.gate_up_proj_bias = make_param(num_experts, 2 * intermediate_size, dtype=dtype)
-        self.down_proj = make_param(num_experts, hidden_size, intermediate_size, dtype=dtype)
         self.down_proj_bias = make_param(num_experts, hidden_size, dtype=dtype)
-        self.gate_up_proj.weight_loader = self._load_gate_up
         self.gate_up_proj_bias.weight_loader = self._load_gate_up_bias
-        self.down_proj.weight_loader = self._load_down
+        self.mxfp4 = mxfp4
+        if mxfp4:
+            self._mxfp4_params("gate_up_proj", 2 * intermediate_size, hidden_size)
+            self._mxfp4_params("down_proj", hidden_size, intermediate_size)
+        else:
+            self.gate_up_proj = make_param(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype)
+            self.down_proj = make_param(num_experts, hidden_size, intermediate_size, dtype=dtype)
+            self.gate_up_proj.weight_loader = self._load_gate_up
+            self.down_proj.weight_loader = self._load_down
         # Per expert, once quantized online (`pack`): name -> [expert] -> its weight.
         self.quantized: dict[str, list[QuantizedWeight]] = {}
+
+    def _mxfp4_params(self, name: str, rows: int, cols: int) -> None:
+        if cols % BLOCK:
+            raise ValueError(f"MXFP4 experts: {name} rows of {cols} values are not whole blocks of {BLOCK}")
+        blocks = (self.num_experts, rows, cols // BLOCK)
+        setattr(self, f"{name}_blocks", make_param(*blocks, BLOCK // 2, dtype=torch.uint8))
+        setattr(self, f"{name}_scales", make_param(*blocks, dtype=torch.uint8))
+
+    def _dequantize(self) -> None:
+        """MXFP4 -> the dense stacked weights (gate_up's rows de-interleaved), the uint8 copies dropped."""
+        for name in ("gate_up_proj", "down_proj"):
+            blocks, scales = getattr(self, f"{name}_blocks"), getattr(self, f"{name}_scales")
+            w = dequantize_mxfp4(blocks.data, scales.data, self.dtype)  # [E, out, in]: F.linear's layout
+            if name == "gate_up_proj":
+                w = torch.cat((w[:, 0::2], w[:, 1::2]), dim=1)
+            delattr(self, f"{name}_blocks")
+            delattr(self, f"{name}_scales")
+            setattr(self, name, nn.Parameter(w, requires_grad=False))
+        self.mxfp4 = False
 
     def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         e, h, i = self.num_experts, self.hidden_size, self.intermediate_size
@@ -118,7 +148,10 @@ class GptOssExperts(nn.Module):
 
     def pack(self, quantization: str | None = None) -> None:
         """With online int8 / int4 (``--quantization``), every expert's weights quantized like the other
-        linears' (biases stay dense), the stacked dense copies dropped; otherwise nothing."""
+        linears' (biases stay dense), the stacked dense copies dropped. MXFP4 experts are dequantized
+        first."""
+        if self.mxfp4:
+            self._dequantize()
         if quantization not in ONLINE_METHODS or self.quantized:
             return
         bits = 8 if quantization == "int8" else 4
@@ -132,6 +165,12 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
     dtype (transformers' ``GptOssTopKRouter``; not a softmax over all experts)."""
     top, chosen = torch.topk(logits, top_k, dim=-1)
     return torch.softmax(top, dim=-1), chosen
+
+
+def is_mxfp4(hf_config: dict) -> bool:
+    """Whether the checkpoint stores its experts in MXFP4 (``quantization_config.quant_method``)."""
+    method = (hf_config.get("quantization_config") or {}).get("quant_method")
+    return str(method).lower() == "mxfp4"
 
 
 class GptOssMLP(nn.Module):
@@ -148,6 +187,7 @@ class GptOssMLP(nn.Module):
             float(cfg.get("swiglu_alpha", 1.702)),
             float(cfg.get("swiglu_limit", 7.0)),
             config.dtype,
+            is_mxfp4(cfg),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
