@@ -173,6 +173,17 @@ def is_mxfp4(hf_config: dict) -> bool:
     return str(method).lower() == "mxfp4"
 
 
+class GptOssRMSNorm(RMSNorm):
+    """RMSNorm whose weight multiply stays in float32, rounding once (transformers' ``GptOssRMSNorm``; the
+    same in float32, one rounding fewer in bf16)."""
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        h = x.float()
+        return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+
+
 class GptOssMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -219,9 +230,9 @@ class GptOssDecoderLayer(DecoderLayer):
     def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None) -> None:
         # Not DecoderLayer.__init__: it would allocate a dense MLP that gpt-oss does not have.
         nn.Module.__init__(self)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = GptOssAttention(config, rotary, sliding_window)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GptOssMLP(config)
 
 
@@ -233,7 +244,7 @@ class GptOssModel(DecoderStack):
         super().__init__(
             ("embed_tokens", VocabEmbedding(config.vocab_size, config.hidden_size)),
             [GptOssDecoderLayer(config, rotary, window) for window in config.layer_sliding_windows],
-            ("norm", RMSNorm(config.hidden_size, config.rms_norm_eps)),
+            ("norm", GptOssRMSNorm(config.hidden_size, config.rms_norm_eps)),
             rotary,
         )
 
