@@ -56,6 +56,8 @@ CASES = {
     # rotates each layer type with its own table (tests/fixtures/checkpoints.py's _DENSE_EXTRA).
     "gemma2_softcap_sliding": ("gemma2", {}),
     "gemma3_text_qk_norm_rope_per_type": ("gemma3_text", {}),
+    # Sinks, window 8 on layer 0, biased clamped experts (tests/models/test_gpt_oss.py goes further).
+    "gpt_oss_sinks_sliding_moe": ("gpt_oss", {}),
 }
 
 PROMPT = [(i * 37 + 11) % 120 + 3 for i in range(45)]

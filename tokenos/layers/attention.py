@@ -22,6 +22,11 @@ Attention-logit soft-capping (Gemma 2's ``attn_logit_softcapping``: ``tanh(s / c
 scores, before the mask) fits neither SDPA nor the C kernels, so a layer with ``logit_softcap`` set runs
 every decode and prefill through one explicit float32 attention over the same gathered pages
 (`softcap_attention`); the other layers' paths are unchanged.
+
+Attention sinks (gpt-oss's per-head ``sinks``): one learned logit per query head joins every row's softmax
+denominator as an extra key with no value (softmax over ``[scores, sink]``, the sink column dropped), so a
+row's probabilities sum to less than 1. Neither SDPA nor the C kernels take it, so a layer with ``sinks``
+runs the same explicit attention.
 """
 
 from __future__ import annotations
@@ -103,27 +108,37 @@ def softcap_attention(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     scale: float,
-    cap: float,
+    cap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Explicit attention with soft-capped scores, as transformers' eager Gemma 2 attention: q [B, H, Lq, D],
     k / v [B, KVH, Lk, D] (KVH divides H), ``mask`` bool broadcastable to [B, H, Lq, Lk] (None: causal,
-    aligned to the end of the keys). Scores, cap, mask and softmax in float32; returns float32."""
+    aligned to the end of the keys). ``cap`` None: no cap. ``sinks`` (broadcastable to [B, H, Lq, 1]): a
+    logit per row appended to the softmax and dropped after it, as transformers' eager gpt-oss attention.
+    Scores, cap, mask and softmax in float32; returns float32."""
     q, k, v = q.float(), k.float(), v.float()
     if k.shape[1] != q.shape[1]:  # GQA: each KV head serves H / KVH query heads (transformers' repeat_kv)
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / cap) * cap
+    if cap is not None:
+        scores = torch.tanh(scores / cap) * cap
     if mask is None:
         lq, lk = scores.shape[-2], scores.shape[-1]
         mask = torch.ones(lq, lk, dtype=torch.bool).tril(lk - lq)
     scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+    sink = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs, v)
 
 
 class Attention(CacheLayer):
-    """Paged multi-head attention with GQA, an optional sliding window (in tokens) and an optional
-    attention-logit soft cap (which keeps the layer on the explicit torch path, `softcap_attention`)."""
+    """Paged multi-head attention with GQA, an optional sliding window (in tokens), an optional
+    attention-logit soft cap and optional attention sinks (``sinks`` [num_heads], owned and loaded by the
+    model's attention module); either of the last two keeps the layer on the explicit torch path,
+    `softcap_attention`."""
 
     def __init__(
         self,
@@ -133,9 +148,12 @@ class Attention(CacheLayer):
         scale: float,
         sliding_window: int | None = None,
         logit_softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         self.logit_softcap = logit_softcap
+        # The parent registers the same Parameter first, so it loads under the parent's (checkpoint) name.
+        self.sinks = sinks
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
@@ -176,7 +194,7 @@ class Attention(CacheLayer):
         else:
             flat.index_copy_(0, meta.write_rows(rows_per_block), torch.cat((k, v)).to(flat.dtype))
         out = torch.empty_like(q)
-        c_kernels = self.logit_softcap is None and _use_c_kernel(kv_cache)
+        c_kernels = not self.explicit and _use_c_kernel(kv_cache)
         decode_batch = meta.decode_batch() if c_kernels else None
         if decode_batch is not None:
             tokens, table, lens = decode_batch
@@ -204,11 +222,16 @@ class Attention(CacheLayer):
             out[chunk.start : chunk.end] = self._prefill(i, chunk, q, k, v, flat, rows, meta)
         return out.view(q.shape[0], -1)
 
+    @property
+    def explicit(self) -> bool:
+        """Whether every decode and prefill runs `softcap_attention` (soft cap or sinks: no fused path)."""
+        return self.logit_softcap is not None or self.sinks is not None
+
     def _use_c_prefill(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """The C prefill kernel: bf16 queries over bf16 or fp8 pages on a CPU with AVX512-BF16, whole-row
         pages, heads contiguous."""
         return (
-            self.logit_softcap is None
+            not self.explicit
             and q.dtype == torch.bfloat16
             and kv_cache.dtype in (torch.bfloat16, torch.float8_e4m3fn)
             and q.stride(2) == 1
@@ -227,9 +250,11 @@ class Attention(CacheLayer):
         if is_fp8(flat.dtype):
             k, v = dequantize(k, q.dtype, self.k_scale), dequantize(v, q.dtype, self.v_scale)
         group = self.num_heads // self.num_kv_heads
-        if self.logit_softcap is not None:
+        if self.explicit:
             qg = q.view(n, self.num_kv_heads, group, self.head_size)
-            o = softcap_attention(qg, k, v, mask, self.scale, self.logit_softcap)
+            # Query head h is (KV head h // group, row h % group) here: the sinks take the same layout.
+            sinks = None if self.sinks is None else self.sinks.view(self.num_kv_heads, group, 1)
+            o = softcap_attention(qg, k, v, mask, self.scale, self.logit_softcap, sinks)
             return o.reshape(n, self.num_heads, self.head_size).to(q.dtype)
         o = F.scaled_dot_product_attention(
             q.view(n, self.num_kv_heads, group, self.head_size).to(k.dtype),
@@ -265,7 +290,7 @@ class Attention(CacheLayer):
                     dequantize(values, q.dtype, self.v_scale),
                 )
         mask = meta.prefill_mask(i, self.sliding_window)
-        if self.logit_softcap is not None:
+        if self.explicit:
             out = softcap_attention(
                 q[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0),
                 keys.transpose(0, 1).unsqueeze(0),
@@ -273,6 +298,7 @@ class Attention(CacheLayer):
                 mask,
                 self.scale,
                 self.logit_softcap,
+                None if self.sinks is None else self.sinks.view(self.num_heads, 1, 1),
             )
             return out[0].transpose(0, 1).to(q.dtype)
         dtype = q.dtype if q.dtype == torch.float32 or native_bf16_supported() else torch.float32

@@ -102,6 +102,8 @@ def resolve_quantization(requested: str | None, gguf: bool, hf_config: dict[str,
             f"quantization={requested!r} is not supported; choose one of {', '.join(QUANTIZATION_CHOICES)}"
         )
     quantization_config = hf_config.get("quantization_config") or {}
+    if str(quantization_config.get("quant_method")).lower() == "mxfp4":
+        return _mxfp4(requested, hf_config)
     if quantization_config.get("quant_method") is not None:
         return _prequantized(requested, quantization_config)
     if requested in PREQUANTIZED_METHODS:
@@ -111,6 +113,22 @@ def resolve_quantization(requested: str | None, gguf: bool, hf_config: dict[str,
     if requested == "auto":
         return "gguf" if gguf else None
     return None if requested == "none" else requested
+
+
+def _mxfp4(requested: str, hf_config: dict[str, Any]) -> str | None:
+    """An MXFP4 checkpoint (gpt-oss's release): its experts are dequantized at load
+    (`tokenos.models.gpt_oss`), so it loads as a dense one ("auto" / "none"), or quantized online on top
+    ("int8" / "int4")."""
+    if "GptOssForCausalLM" not in (hf_config.get("architectures") or []):
+        raise ValueError("MXFP4 checkpoints are supported only for GptOssForCausalLM (experts dequantized)")
+    if requested in ("auto", "none"):
+        return None
+    if requested in ("int8", "int4"):
+        return requested
+    raise ValueError(
+        f"the checkpoint is quantized with mxfp4 (dequantized at load); quantization={requested!r} does "
+        "not apply (leave it unset, or pass none, int8 or int4)"
+    )
 
 
 def _prequantized(requested: str, quantization_config: dict[str, Any]) -> str:
@@ -300,7 +318,8 @@ def _original_max_len(cfg: dict[str, Any], params: dict[str, Any], nested: bool)
 
 
 # Gemma: one full-attention layer in every `pattern` (transformers' default when a config has no layer_types).
-_GEMMA_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+# gpt-oss follows the same rule with Gemma 2's pattern: sliding on even layers, full on odd ones.
+_GEMMA_PATTERN = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6, "GptOssForCausalLM": 2}
 
 
 def _sliding_windows_from_hf(cfg: dict[str, Any], architecture: str) -> tuple[int | None, tuple]:

@@ -18,6 +18,8 @@ reported by the loader like any missing shard.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,6 +41,35 @@ def _expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.dtype == torch.bfloat16 and not native_bf16_supported():
         return _upcast_linear(x, weight, None)
     return F.linear(x, weight)
+
+
+def grouped_experts(
+    x: torch.Tensor,
+    chosen: torch.Tensor,
+    weights: torch.Tensor,
+    num_experts: int,
+    expert_fn: Callable[[torch.Tensor, int], torch.Tensor],
+) -> torch.Tensor:
+    """``sum_k weights[t, k] * expert_fn(x[t], chosen[t, k])`` for x [T, H], chosen / weights [T, K], with
+    one ``expert_fn(rows, e)`` call per expert that has rows (no loop per token)."""
+    top_k = chosen.shape[1]
+    # Sort the T*K (token, slot) pairs by expert so each expert's rows are one contiguous group.
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tokens = order // top_k
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    rows = x[tokens]
+    outs = []
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        outs.append(expert_fn(rows[start : start + count], expert))
+        start += count
+    if not outs:
+        return torch.zeros_like(x)
+    expert_out = torch.cat(outs) * weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, tokens, expert_out)
 
 
 class StackedExperts(nn.Module):
@@ -68,26 +99,10 @@ class StackedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``sum_k weights[t, k] * expert[chosen[t, k]](x[t])`` for x [T, H], chosen / weights [T, K]."""
-        top_k = chosen.shape[1]
-        # Sort the T*K (token, slot) pairs by expert so each expert's rows are one contiguous group.
-        flat = chosen.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        tokens = order // top_k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        rows = x[tokens]
-        outs = []
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            h = rows[start : start + count]
-            h = self.act(self._linear(h, "gate_up_proj", expert))
-            outs.append(self._linear(h, "down_proj", expert))
-            start += count
-        if not outs:
-            return torch.zeros_like(x)
-        expert_out = torch.cat(outs) * weights.reshape(-1)[order, None]
-        return torch.zeros_like(x).index_add_(0, tokens, expert_out)
+        return grouped_experts(x, chosen, weights, self.num_experts, self._expert)
+
+    def _expert(self, h: torch.Tensor, expert: int) -> torch.Tensor:
+        return self._linear(self.act(self._linear(h, "gate_up_proj", expert)), "down_proj", expert)
 
     @staticmethod
     def act(x: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "GraniteMoeHybridForCausalLM": Architecture("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     "FalconH1ForCausalLM": Architecture("falcon_h1", "FalconH1ForCausalLM"),
     "NemotronHForCausalLM": Architecture("nemotron_h", "NemotronHForCausalLM"),
+    "GptOssForCausalLM": Architecture("gpt_oss", "GptOssForCausalLM", {"attention_bias": True}),
 }
 
 
