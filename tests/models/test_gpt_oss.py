@@ -160,20 +160,35 @@ def _edit_config(folder: str, **fields) -> None:
         json.dump(cfg, f)
 
 
-@pytest.mark.parametrize(
-    "fields,match",
-    [
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 32.0}}, "yarn"),
-        ({"layer_types": ["sliding_attention", "chunked_attention"]}, "chunked_attention"),
-    ],
-    ids=["yarn", "layer_type"],
-)
-def test_refuses_what_it_does_not_implement(tmp_path, fields, match):
+def test_refuses_what_it_does_not_implement(tmp_path):
     folder = str(tmp_path / "gpt_oss")
     save_tiny("gpt_oss", folder)
-    _edit_config(folder, **fields)
-    with pytest.raises(ValueError, match=match):
+    _edit_config(folder, layer_types=["sliding_attention", "chunked_attention"])
+    with pytest.raises(ValueError, match="chunked_attention"):
         load_ours(folder)
+
+
+def test_yarn_rope_as_the_real_checkpoints_use_it(tmp_path):
+    """gpt-oss ships yarn (factor 32 over 4096, beta 32 / 1, not truncated); here over 16 positions, so a
+    45-token prompt runs far past the original length and the scaling shows."""
+    yarn = {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+    }
+    folder = str(tmp_path / "gpt_oss_yarn")
+    ref = save_tiny("gpt_oss", folder, rope_parameters=yarn)
+    model, config = load_ours(folder)
+    assert config.rope_scaling["rope_type"] == "yarn"
+    runner = PagedRunner(model, block_size=16)
+    runner.step([(0, PROMPT[:20])])
+    for token in PROMPT[20:]:
+        runner.step([(0, [token])])
+    assert_close_logits(runner.request_logits(0), hf_logits(ref, PROMPT))
 
 
 def test_greedy_parity_chunked_prefill_and_n_samples(llm_checkpoint):
