@@ -16,8 +16,7 @@ them and split the interleaved gate / up into halves once, so each expert runs a
 MXFP4 checkpoints (the released ones: ``experts.{gate_up,down}_proj_blocks`` / ``_scales``, everything
 else dense) load their experts as uint8 and dequantize them (`tokenos.layers.mxfp4`, lossless) in
 ``pack``, into the same stacked layout as a dense save; no kernel computes on MXFP4 itself. Real
-checkpoints use yarn rope scaling, which `tokenos.layers.rotary` has to provide: until it does, such a
-config is refused there.
+checkpoints use yarn rope scaling (`tokenos.layers.rotary`).
 """
 
 from __future__ import annotations
