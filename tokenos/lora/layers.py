@@ -23,9 +23,9 @@ from tokenos.lora.adapter import ModuleWeights
 
 # A segment whose multiply-adds (tokens x (rank x in + sum of rows x size)) stay under this takes the C
 # kernel, a larger one torch's GEMMs. Measured on 2 Zen 4 threads, bf16, SmolLM2's shapes at rank 16:
-# torch costs 50-170 us whatever the size, the kernel ~35-40 us per million; they cross at 2-4 million
-# (qkv near 128 tokens, gate_up near 32).
-KERNEL_MAX_MACS = 3_000_000
+# torch costs 45-140 us whatever the size, the kernel 12-18 us per million (AVX512-BF16); they cross
+# near 8 million (gate_up at 128 tokens).
+KERNEL_MAX_MACS = 8_000_000
 
 
 class LoRAStep:
