@@ -65,7 +65,9 @@ def zeroed_buffer(size_bytes: int) -> torch.Tensor:
         mapping.madvise(advice)
     except OSError:  # THP unavailable here: 4 KiB pages, still zeroed
         pass
-    return torch.frombuffer(mapping, dtype=torch.uint8)  # the tensor keeps the mapping alive
+    # Written now, as torch.zeros would: the pages (huge ones) are faulted at start-up, not one by one
+    # inside the first steps that reach them (measured: mixed-128 ran 8% slower faulting lazily).
+    return torch.frombuffer(mapping, dtype=torch.uint8).zero_()  # the tensor keeps the mapping alive
 
 
 def allocate_kv_caches(config: KVCacheConfig, layer_order: list[str]) -> list:
