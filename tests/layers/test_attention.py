@@ -159,7 +159,6 @@ def test_c_kernel_matches_torch_path_at_large_batches(
     """Large batches (one work item per request, each over several score chunks, of 256 tokens or
     fewer as heads grow), random context lengths (partial chunks and tiles, odd lengths), windows
     that start inside a page and span chunks: the C kernel against the torch path."""
-    import tokenos.layers.attention as attention
     from tokenos.layers import cpu_kernels
 
     if cpu_kernels.load() is None:
@@ -167,25 +166,7 @@ def test_c_kernel_matches_torch_path_at_large_batches(
     rng = random.Random(heads * 1000 + block_size + (window or 0))
     torch.manual_seed(rng.randrange(1 << 30))
     lens = [rng.randint(1, 700) for _ in range(40)] + [255, 256, 257, 513]
-    tables, first = decode_tables(lens, block_size)
-    cache = torch.randn(first, 2, block_size, kv_heads, head_size).to(dtype)
-    q = torch.randn(len(lens), heads, head_size).to(dtype)
-    k, v = (torch.randn(len(lens), kv_heads, head_size).to(dtype) for _ in range(2))
-    attn = Attention(heads, kv_heads, head_size, head_size**-0.5, sliding_window=window)
-
-    def run(c_kernel: bool) -> torch.Tensor:
-        monkeypatch.setattr(attention, "_use_c_kernel", lambda kv_cache: c_kernel)
-        meta = build_attention_metadata(tables, [n - 1 for n in lens], [1] * len(lens), block_size)
-        pages = cache.clone() if c_kernel else cache.float()
-        new_k, new_v = (t if c_kernel else t.float() for t in (k, v))
-        return attn.attend(q.float(), new_k, new_v, pages, meta).float()
-
-    fast, ref = run(True), run(False)
-    if dtype == torch.float32:
-        torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-4)
-        return
-    torch.testing.assert_close(fast, ref, atol=8e-3, rtol=1e-2)
-    assert (fast - ref).abs().mean() < 1e-3
+    _check_c_kernel_against_torch(monkeypatch, lens, block_size, heads, kv_heads, head_size, window, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -197,14 +178,19 @@ def test_c_kernel_matches_torch_path_at_large_batches(
 def test_c_kernel_matches_torch_path_over_shapes(dtype, heads, kv_heads, head_size, window, monkeypatch):
     """Every path of the C kernel (vector tiles for each GQA group and head size, the generic loop,
     splits of long contexts merged by log-sum-exp, windows, partial last tiles) against the torch path."""
-    import tokenos.layers.attention as attention
     from tokenos.layers import cpu_kernels
 
     if cpu_kernels.load() is None:
         pytest.skip("no C compiler: the C decode kernel could not be built")
     torch.manual_seed(head_size + heads)
-    block_size = 16
     lens = [1, 5, 16, 17, 300, 1100]
+    _check_c_kernel_against_torch(monkeypatch, lens, 16, heads, kv_heads, head_size, window, dtype)
+
+
+def _check_c_kernel_against_torch(monkeypatch, lens, block_size, heads, kv_heads, head_size, window, dtype):
+    """One decode token per request of context ``lens``: the C kernel against the float32 torch path."""
+    import tokenos.layers.attention as attention
+
     tables, first = decode_tables(lens, block_size)
     cache = torch.randn(first, 2, block_size, kv_heads, head_size).to(dtype)
     q = torch.randn(len(lens), heads, head_size).to(dtype)
