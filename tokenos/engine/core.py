@@ -196,7 +196,7 @@ class EngineCore:
         return self.loras.acquire(name)
 
     def _release_adapter(self, request: Request) -> None:
-        if request.adapter_id is not None:
+        if self.loras is not None and request.adapter_id is not None:
             self.loras.release(request.adapter_id)
 
     def _structured_manager(self) -> StructuredOutputManager:
@@ -237,8 +237,7 @@ class EngineCore:
         if self.structured is not None:
             pending = self.structured.abort(ids)
             for request in pending:
-                if self.loras is not None:
-                    self._release_adapter(request)
+                self._release_adapter(request)
             pending_ids = {r.request_id for r in pending}
             ids = [rid for rid in ids if rid not in pending_ids]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
@@ -269,9 +268,8 @@ class EngineCore:
         ready, failed = self.structured.take_ready()
         for request in ready:
             self.scheduler.add_request(request)
-        if self.loras is not None:
-            for request, _ in failed:
-                self._release_adapter(request)
+        for request, _ in failed:
+            self._release_adapter(request)
         return [
             EngineCoreOutput(req.request_id, [], finish_reason=int(FinishReason.ABORT), error=error)
             for req, error in failed

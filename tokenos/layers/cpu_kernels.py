@@ -172,6 +172,7 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
+@cache  # asked by every adapted linear every step
 def lora_kernel(dtype: torch.dtype):
     """csrc/lora.c's ``lora_apply_*`` for tensors of ``dtype`` (x, x's row stride, y, y's row stride,
     the number of segments, their int64 starts and ends, one `LoRADesc` address or NULL each), or None

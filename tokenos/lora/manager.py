@@ -20,7 +20,7 @@ from torch import nn
 
 from tokenos.config import LoRAConfig
 from tokenos.layers.linear import Linear
-from tokenos.lora.adapter import AdapterInfo, ModuleWeights, content_hash, load_adapter
+from tokenos.lora.adapter import AdapterInfo, ModuleWeights, load_adapter
 from tokenos.lora.layers import LoRALayer, LoRAStep
 
 logger = logging.getLogger(__name__)
@@ -33,7 +33,6 @@ class LoRAManager:
         self.dtype = dtype
         self.step = LoRAStep()
         self.registered: dict[str, AdapterInfo] = {}  # name -> the adapter requests naming it get
-        self.infos: dict[str, AdapterInfo] = {}  # key -> info, for every key registered or pinned
         self.loaded: OrderedDict[str, dict[str, ModuleWeights]] = OrderedDict()  # key -> weights (LRU)
         self.pins: dict[str, int] = {}
         self.layers: dict[str, LoRALayer] = {}
@@ -45,7 +44,7 @@ class LoRAManager:
         if name in self.registered:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded: unload it first.")
         info, weights = load_adapter(path, name, self.model, self.config.max_lora_rank, self.dtype)
-        self.registered[name] = self.infos[info.key] = info
+        self.registered[name] = info
         self._install(info.key, weights)
         self._evict_idle()
         logger.info(
@@ -58,7 +57,7 @@ class LoRAManager:
         if info is None:
             return False
         if not self.pins.get(info.key):
-            self._forget(info.key)
+            self._drop_weights(info.key)
         return True
 
     def list(self) -> list[AdapterInfo]:
@@ -85,19 +84,18 @@ class LoRAManager:
             self.pins[key] = count
             return
         self.pins.pop(key, None)
-        info = self.infos.get(key)
-        if info is None or self.registered.get(info.name) is not info:
-            self._forget(key)  # unloaded (or replaced) while requests still used it
+        if not any(info.key == key for info in self.registered.values()):
+            self._drop_weights(key)  # unloaded (or replaced) while requests still used it
         else:
             self._evict_idle()
 
     def _reload(self, info: AdapterInfo) -> None:
-        if content_hash(info.path) != info.content_hash:
+        now, weights = load_adapter(info.path, info.name, self.model, self.config.max_lora_rank, self.dtype)
+        if now.content_hash != info.content_hash:
             raise ValueError(
                 f"LoRA adapter {info.name!r} changed on disk since it was loaded from {info.path}: "
                 "unload and load it again to serve the new weights."
             )
-        _, weights = load_adapter(info.path, info.name, self.model, self.config.max_lora_rank, self.dtype)
         self._install(info.key, weights)
         self._evict_idle()
 
@@ -126,10 +124,6 @@ class LoRAManager:
     def _drop_weights(self, key: str) -> None:
         for module in self.loaded.pop(key, {}):
             self.layers[module].weights.pop(key, None)
-
-    def _forget(self, key: str) -> None:
-        self._drop_weights(key)
-        self.infos.pop(key, None)
 
     # ------------------------------------------------------------ a step
 
