@@ -127,6 +127,9 @@ class LoRAConfig:
     # Adapters kept loaded while no live request uses them (least recently used leave first; a
     # request for one reloads it from its folder). None: max_loras.
     max_cpu_loras: int | None = None
+    # When one adapter has every token of a run of steps, its dense linears run from copies with it
+    # merged in (W + B A: the base model's speed, one adapter's copies of those weights in memory).
+    merge_single_adapter: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("max_loras", self.max_loras)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tokenos.layers import cpu_kernels
+from tokenos.layers.linear import Linear
 from tokenos.lora.adapter import ModuleWeights, Piece
 from tokenos.lora.layers import LoRALayer, LoRAStep, apply_torch
 
@@ -37,7 +38,7 @@ def test_kernel_matches_the_reference(dtype, k, sizes, ranks):
     gen = torch.Generator().manual_seed(k)
     w = _weights(k, sizes, ranks, dtype, gen)
     step = LoRAStep()
-    layer = LoRALayer(step)
+    layer = LoRALayer(step, Linear(k, sum(sizes)))
     layer.add("a", w)
     assert w.desc is not None
     x = torch.randn(23, k, generator=gen).to(dtype)
@@ -63,7 +64,7 @@ def test_long_segments_take_torch_and_short_ones_the_kernel_in_one_step(monkeypa
     calls = []
     monkeypatch.setattr(layers, "apply_matmul", lambda x, y, w: calls.append(len(x)) or apply_torch(x, y, w))
     step = LoRAStep()
-    layer = LoRALayer(step)
+    layer = LoRALayer(step, Linear(64, 48))
     layer.add("a", w)
     x, y = torch.randn(12, 64, generator=gen), torch.randn(12, 48, generator=gen)
     want = y.clone()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+import tokenos.lora.manager as manager_module
 from tests.fixtures.checkpoints import LLM_SHAPE, save_tiny
 from tests.fixtures.llm import DENSE, hf_generate_greedy, make_llm
 from tests.fixtures.lora import ATTENTION, MLP, save_adapter
@@ -123,6 +124,29 @@ def test_every_dense_family_takes_adapters(family, tmp_path):
     choice = [None, "full", None, "full"]
     outputs = _generate(llm, prompts, choice, {"full": lora})
     _check(outputs, prompts, choice, base, refs)
+
+
+def test_one_adapter_alone_runs_merged(setup, monkeypatch):
+    """Batches that one adapter has to itself run it merged into the dense weights after a run of such
+    steps: the same tokens and logprobs, again after switching to the other adapter and back, and a
+    mixed batch afterwards takes the segment path with the last adapter's copies still held."""
+    base_folder, base, refs, loras = setup
+    monkeypatch.setattr(manager_module, "MERGE_AFTER_STEPS", 3)
+    llm = make_llm(base_folder, enable_lora=True, max_loras=2, max_lora_rank=16)
+    manager = llm.engine.model_runner.lora
+    merged: list[str | None] = []
+    set_step = manager.set_step
+    manager.set_step = lambda *a: set_step(*a) or merged.append(manager.step.merged)
+    prompts = DENSE.prompts(3, 5, 30, seed=11)
+    for choice in (["small"] * 3, ["full"] * 3, ["small"] * 3, [None, "small", "full"]):
+        merged.clear()
+        _check(_generate(llm, prompts, choice, loras), prompts, choice, base, refs)
+        keys = {manager.registered[c].key if c else None for c in choice}
+        if len(keys) == 1:
+            assert merged.count(keys.pop()) == len(merged) - 2  # all but the run's first 2 steps
+        else:
+            assert set(merged) == {None}
+    assert any(layer.merged is not None for layer in manager.layers.values())
 
 
 def test_speculative_decoding_under_adapters(setup):

@@ -79,6 +79,8 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # One adapter alone in the batch for a while runs merged into the dense weights (LoRAConfig).
+    merge_single_lora: bool = True
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -128,7 +130,10 @@ class EngineArgs:
         if not self.enable_lora:
             return None
         return LoRAConfig(
-            max_loras=self.max_loras, max_lora_rank=self.max_lora_rank, max_cpu_loras=self.max_cpu_loras
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+            merge_single_adapter=self.merge_single_lora,
         )
 
     def speculative(self):

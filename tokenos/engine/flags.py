@@ -236,6 +236,13 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         type=int,
     ),
     Flag(
+        ("--merge-single-lora",),
+        "merge_single_lora",
+        "LoRA: an adapter alone in the batch for 8 steps runs merged into the dense weights, at the "
+        "base model's speed, with one adapter's merged copies of them in memory (on)",
+        action=BOOL,
+    ),
+    Flag(
         ("--reasoning-parser",),
         "reasoning_parser",
         "reasoning models: deepseek_r1 or qwen3 (thinking as reasoning_content; grammars after it)",

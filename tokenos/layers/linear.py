@@ -52,17 +52,33 @@ class Linear(nn.Module):
         self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._base_forward(x)
-        return y if self.lora is None else self.lora(x, y)
+        return self.base_forward(x) if self.lora is None else self.lora.forward(self, x)
 
-    def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T + b from the base weights alone (no adapter)."""
         if self.quantized is not None:
             return self.quantized(x, self.bias)
         if self.packed is not None:
             return self.packed(x, self.bias)
-        if x.dtype == torch.bfloat16 and not native_bf16_supported():
-            return _upcast_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return _plain_linear(x, self.weight, self.bias)
+
+    def dense_weight(self) -> torch.Tensor | None:
+        """The base weight [out, in] as a plain tensor in the model's dtype (unpacked from oneDNN's
+        layout, exactly), or None where it is held quantized."""
+        if self.quantized is not None:
+            return None
+        if self.packed is not None:
+            return self.packed.weight.to_dense().to(self.packed.out_dtype)
+        return self.weight.detach()
+
+    def with_weight(self, weight: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``x -> x weight^T + b``, run the way this layer runs its own dense weight (oneDNN-packed
+        where it is): a merged LoRA copy (`tokenos.lora.layers`)."""
+        bias = self.bias
+        if self.packed is not None:
+            packed = PackedWeight(weight)
+            return lambda x: packed(x, bias)
+        return lambda x: _plain_linear(x, weight, bias)
 
     def shard_ids(self) -> tuple[int | str | None, ...]:
         """The shard ids a complete checkpoint provides for this module's weight."""
@@ -142,6 +158,12 @@ class PackedWeight:
             x.to(self.compute_dtype).contiguous(), self.weight, bias, "none", [], ""
         )
         return out.to(x.dtype) if out.dtype != x.dtype else out
+
+
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.dtype == torch.bfloat16 and not native_bf16_supported():
+        return _upcast_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 def _upcast_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

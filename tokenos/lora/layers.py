@@ -10,16 +10,27 @@ Small segments (decode: a few tokens per adapter) take the C kernel (``csrc/lora
 of them, float32 arithmetic rounded once into ``y``), where torch's two matmuls on a few tens of columns
 cost more in dispatch than in work; long ones (prefill), or every one without the kernel, take torch's
 GEMMs (`apply_matmul`). `apply_torch` is the kernel's float32 reference.
+
+Merged. When every token of a step belongs to one adapter (`LoRAStep.merged`, chosen by the manager),
+a linear whose base weight is dense runs from a copy with the adapter merged in, ``W + B A`` (float32
+sum, rounded once to the model's dtype, packed like the base), so the step costs what the base model
+does. One adapter's copies exist at a time; quantized base weights are never merged (that would mean
+running dense) and keep the segment path.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenos.layers import cpu_kernels
 from tokenos.lora.adapter import ModuleWeights
+
+if TYPE_CHECKING:
+    from tokenos.layers.linear import Linear
 
 # A segment whose multiply-adds (tokens x (rank x in + sum of rows x size)) stay under this takes the C
 # kernel, a larger one torch's GEMMs. Measured on 2 Zen 4 threads, bf16, SmolLM2's shapes at rank 16:
@@ -35,23 +46,53 @@ class LoRAStep:
     def __init__(self) -> None:
         self.segments: list[tuple[str, int, int]] = []
         self.starts = self.ends = (ctypes.c_int64 * 0)()
+        # The adapter every token of this step uses, when the linears should run it merged.
+        self.merged: str | None = None
 
-    def set(self, segments: list[tuple[str, int, int]]) -> None:
+    def set(self, segments: list[tuple[str, int, int]], merged: str | None = None) -> None:
         self.segments = segments
+        self.merged = merged
         self.starts = (ctypes.c_int64 * len(segments))(*(s for _, s, _ in segments))
         self.ends = (ctypes.c_int64 * len(segments))(*(e for _, _, e in segments))
 
 
 class LoRALayer:
-    """The hook an adapted `Linear` calls with its input and output (``Linear.lora``)."""
+    """What an adapted `Linear` runs instead of its base forward (``Linear.lora``)."""
 
-    def __init__(self, step: LoRAStep) -> None:
+    def __init__(self, step: LoRAStep, linear: Linear) -> None:
         self.step = step
+        self.linear = linear
         self.weights: dict[str, ModuleWeights] = {}  # adapter key -> its pieces for this module
+        # The merged copy's adapter and its forward; (key, None) once a key proved unmergeable here.
+        self.merged_key: str | None = None
+        self.merged: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def add(self, key: str, weights: ModuleWeights) -> None:
         weights.desc = make_desc(weights)
         self.weights[key] = weights
+
+    def drop(self, key: str) -> None:
+        self.weights.pop(key, None)
+        if self.merged_key == key:
+            self.merged_key = self.merged = None
+
+    def forward(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+        key = self.step.merged
+        if key is not None and key in self.weights:
+            merged = self.merged_forward(key)
+            if merged is not None:
+                return merged(x)
+        return self(x, linear.base_forward(x))
+
+    def merged_forward(self, key: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The forward with ``key`` merged into the base weight (made now if it is not the one held),
+        or None where the base weight is quantized."""
+        if self.merged_key != key:
+            self.merged_key, self.merged = key, None  # the old copy goes first: one at a time
+            base = self.linear.dense_weight()
+            if base is not None:
+                self.merged = self.linear.with_weight(merge(base, self.weights[key]))
+        return self.merged
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         step = self.step
@@ -89,6 +130,15 @@ def apply_matmul(x: torch.Tensor, y: torch.Tensor, w: ModuleWeights) -> None:
     t = torch.mm(x, w.a.t())
     for p in w.pieces:
         y[:, p.offset : p.offset + p.size].addmm_(t[:, p.r0 : p.r0 + p.rows], p.bt)
+
+
+def merge(base: torch.Tensor, w: ModuleWeights) -> torch.Tensor:
+    """``base + B A`` over the adapted rows, summed in float32 and rounded once to base's dtype."""
+    merged = base.to(torch.float32, copy=True)
+    a = w.a.float()
+    for p in w.pieces:
+        merged[p.offset : p.offset + p.size].addmm_(p.bt.float().t(), a[p.r0 : p.r0 + p.rows])
+    return merged.to(base.dtype)
 
 
 def apply_torch(x: torch.Tensor, y: torch.Tensor, w: ModuleWeights) -> None:

@@ -7,7 +7,11 @@
   key the request carries; ``release(key)`` when the request is gone.
 - The table holds every pinned adapter plus at most ``max_cpu_loras`` idle ones, least recently used
   leaving first; the scheduler keeps the adapters of one step at ``max_loras``.
-- ``set_step(keys, starts, ends)`` gives the adapted linears this step's segments (`LoRAStep`).
+- ``set_step(segments, num_tokens)`` gives the adapted linears this step's segments (`LoRAStep`), and
+  says when they should run one adapter merged into their weights: once every token of
+  ``MERGE_AFTER_STEPS`` steps in a row used the same adapter (a merge costs about a decode step's worth
+  of weight traffic, so a batch that switches adapters every step never pays it), and from then on at
+  once for as long as that adapter's merged copies are the ones held.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ from tokenos.lora.layers import LoRALayer, LoRAStep
 
 logger = logging.getLogger(__name__)
 
+# Steps in a row that one adapter must have to itself before its merged copies are made.
+MERGE_AFTER_STEPS = 8
+
 
 class LoRAManager:
     def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype) -> None:
@@ -36,6 +43,9 @@ class LoRAManager:
         self.loaded: OrderedDict[str, dict[str, ModuleWeights]] = OrderedDict()  # key -> weights (LRU)
         self.pins: dict[str, int] = {}
         self.layers: dict[str, LoRALayer] = {}
+        self.merged: str | None = None  # the adapter whose merged copies the layers hold
+        # The adapter that had every token of the last steps (None: none did), and for how many steps.
+        self.single: tuple[str | None, int] = (None, 0)
 
     # ------------------------------------------------------------ names
 
@@ -112,7 +122,7 @@ class LoRAManager:
         if layer is None:
             linear = self.model.get_submodule(module)
             assert isinstance(linear, Linear)
-            layer = self.layers[module] = LoRALayer(self.step)
+            layer = self.layers[module] = LoRALayer(self.step, linear)
             linear.lora = layer
         return layer
 
@@ -123,13 +133,31 @@ class LoRAManager:
 
     def _drop_weights(self, key: str) -> None:
         for module in self.loaded.pop(key, {}):
-            self.layers[module].weights.pop(key, None)
+            self.layers[module].drop(key)
+        if self.merged == key:
+            self.merged = None
 
     # ------------------------------------------------------------ a step
 
-    def set_step(self, segments: list[tuple[str, int, int]]) -> None:
-        """This step's (key, start token, end token) segments; every key must be pinned (loaded)."""
+    def set_step(self, segments: list[tuple[str, int, int]], num_tokens: int) -> None:
+        """This step's (key, start token, end token) segments over its ``num_tokens`` tokens; every key
+        must be pinned (loaded)."""
         for key, _, _ in segments:
             if key not in self.loaded:
                 raise RuntimeError(f"LoRA adapter {key} is scheduled but not loaded")
-        self.step.set(segments)
+        self.step.set(segments, self._merged_for(segments, num_tokens))
+
+    def _merged_for(self, segments: list[tuple[str, int, int]], num_tokens: int) -> str | None:
+        """The adapter this step runs merged, if any (see the module's docstring)."""
+        alone = len(segments) == 1 and segments[0][2] - segments[0][1] == num_tokens
+        only = segments[0][0] if alone else None
+        last, count = self.single
+        self.single = (only, count + 1 if only == last else 1)
+        if only is None or not self.config.merge_single_adapter:
+            return None
+        if only != self.merged and self.single[1] < MERGE_AFTER_STEPS:
+            return None
+        if only != self.merged:
+            logger.info("LoRA adapter %s alone for %d steps: running it merged", only, MERGE_AFTER_STEPS)
+            self.merged = only
+        return only

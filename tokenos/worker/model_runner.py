@@ -209,7 +209,7 @@ class ModelRunner:
             batch.token_ids, batch.num_computed_tokens[:n], [scheduled[r] for r in req_ids]
         )
         if self.lora is not None:
-            self.lora.set_step(self._adapter_segments(req_ids, inputs))
+            self.lora.set_step(self._adapter_segments(req_ids, inputs), len(inputs.input_ids))
 
         self._copy_pages(scheduler_output)
         group_metadata = [self._group_metadata(g, spec, inputs) for g, spec in enumerate(self.group_specs)]
