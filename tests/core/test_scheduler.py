@@ -260,7 +260,8 @@ def test_max_loras_caps_the_adapters_running_in_order_and_nobody_starves():
     s, w, c = make(max_num_batched_tokens=64)
     s.max_loras = 1
     for rid, adapter in (("a1", "a@1"), ("b1", "b@2"), ("a2", "a@1"), ("base", None)):
-        s.add_request(make_request(rid, list(range(1, 6)), max_tokens=3, adapter_id=adapter))
+        name = adapter and adapter[0]
+        s.add_request(make_request(rid, list(range(1, 6)), max_tokens=3, adapter_id=adapter, lora_name=name))
     out, _ = step(s, w, c)
     assert set(out.num_scheduled_tokens) == {"a1"}  # b1 waits at the head, the rest behind it
     assert s.make_stats()["lora"] == {"max_lora": 1, "running": ["a"], "waiting": ["a", "b"]}

@@ -69,6 +69,7 @@ class Request:
         "priority",
         "cache_salt",
         "adapter_id",
+        "lora_name",
         "output_token_ids",
         "all_token_ids",
         "max_total_tokens",
@@ -102,6 +103,7 @@ class Request:
         block_hasher: Callable[[Request], list[BlockHash]] | None = None,
         fork_of: str | None = None,
         extra_eos_token_ids: Sequence[int] = (),
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -111,6 +113,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.adapter_id = adapter_id
+        self.lora_name = lora_name  # the adapter's name as requested (its metrics label)
         self.output_token_ids: list[int] = []
         # Prompt then outputs. A live list: read it, never mutate it from outside.
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -165,6 +168,7 @@ class Request:
             block_hasher=block_hasher,
             fork_of=req.fork_of,
             extra_eos_token_ids=req.extra_eos_token_ids,
+            lora_name=req.lora_name if adapter_id is not None else None,
         )
 
     # ------------------------------------------------------------------ tokens

@@ -495,5 +495,5 @@ class SpecStats:
 
 
 def _adapter_names(requests: Iterable[Request]) -> list[str]:
-    """The LoRA adapters' names (keys are ``name@hash``) among ``requests``, sorted."""
-    return sorted({str(r.adapter_id).rpartition("@")[0] for r in requests if r.adapter_id is not None})
+    """The LoRA adapters' names among ``requests``, sorted."""
+    return sorted({r.lora_name for r in requests if r.lora_name is not None})
