@@ -39,15 +39,21 @@ def _adapter(k: int, gen, dtype: torch.dtype) -> ModuleWeights:
     return ModuleWeights(a, pieces)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("how", ["plain", "packed"])
-def test_merged_linear_equals_base_plus_delta(dtype, how):
-    gen = torch.Generator().manual_seed(3)
+def _adapted(seed: int, dtype: torch.dtype, how: str) -> tuple[Linear, LoRAStep, LoRALayer, torch.Generator]:
+    """A [40, 48] linear (``how`` its base weights) with adapter "a" hooked on."""
+    gen = torch.Generator().manual_seed(seed)
     linear = _linear(48, 40, dtype, how, gen)
-    before = linear.dense_weight().clone()
     step = LoRAStep()
     layer = linear.lora = LoRALayer(step, linear)
     layer.add("a", _adapter(48, gen, dtype))
+    return linear, step, layer, gen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("how", ["plain", "packed"])
+def test_merged_linear_equals_base_plus_delta(dtype, how):
+    linear, step, layer, gen = _adapted(3, dtype, how)
+    before = linear.dense_weight().clone()
     x = torch.randn(5, 48, generator=gen).to(dtype)
     want = linear.base_forward(x).float()
     apply_torch(x.float(), want, layer.weights["a"])  # the float32 delta, exactly
@@ -64,11 +70,7 @@ def test_merged_linear_equals_base_plus_delta(dtype, how):
 
 
 def test_quantized_base_weights_are_not_merged():
-    gen = torch.Generator().manual_seed(4)
-    linear = _linear(48, 40, torch.float32, "int8", gen)
-    step = LoRAStep()
-    layer = linear.lora = LoRALayer(step, linear)
-    layer.add("a", _adapter(48, gen, torch.float32))
+    linear, step, layer, gen = _adapted(4, torch.float32, "int8")
     x = torch.randn(3, 48, generator=gen)
     want = linear.base_forward(x)
     apply_torch(x, want, layer.weights["a"])
@@ -78,11 +80,7 @@ def test_quantized_base_weights_are_not_merged():
 
 
 def test_dropping_an_adapter_drops_its_merged_copy():
-    gen = torch.Generator().manual_seed(5)
-    linear = _linear(48, 40, torch.float32, "plain", gen)
-    step = LoRAStep()
-    layer = linear.lora = LoRALayer(step, linear)
-    layer.add("a", _adapter(48, gen, torch.float32))
+    linear, step, layer, gen = _adapted(5, torch.float32, "plain")
     step.set([("a", 0, 1)], merged="a")
     linear(torch.randn(1, 48, generator=gen))
     assert layer.merged is not None
