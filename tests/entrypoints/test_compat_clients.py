@@ -16,7 +16,7 @@ import pytest
 
 from tests.fixtures import lm_eval_task
 from tests.fixtures.checkpoints import save_served
-from tests.fixtures.servers import REPO, Server
+from tests.fixtures.servers import REPO, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -30,12 +30,8 @@ def folder(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(folder):
-    server = Server(folder, *TOOL_FLAGS, max_model_len=1024)
-    try:
-        server.wait_ready()
+    with running_server(folder, *TOOL_FLAGS, max_model_len=1024) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_langchain_chat_openai(server):

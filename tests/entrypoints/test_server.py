@@ -15,7 +15,7 @@ import pytest
 
 from tests.fixtures.checkpoints import save_served
 from tests.fixtures.dashboards import dashboard_problems
-from tests.fixtures.servers import MAX_MODEL_LEN, Server, metric
+from tests.fixtures.servers import MAX_MODEL_LEN, metric, running_server
 
 pytest.importorskip("tokenos.engine.async_llm")
 openai = pytest.importorskip("openai")
@@ -33,12 +33,8 @@ def tiny_llama(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    server = Server(tiny_llama, "--api-key", API_KEY)
-    try:
-        server.wait_ready()
+    with running_server(tiny_llama, "--api-key", API_KEY) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
@@ -249,9 +245,8 @@ def test_metrics(server, client):
 
 
 def test_engine_death_fails_requests_and_exits_nonzero(tiny_llama):
-    server = Server(tiny_llama, max_model_len=8192)  # room for a request that outlives the kill
-    try:
-        server.wait_ready()
+    # Room for a request that outlives the kill.
+    with running_server(tiny_llama, max_model_len=8192) as server:
         body = {
             "model": "tiny",
             "prompt": "long",
@@ -267,9 +262,7 @@ def test_engine_death_fails_requests_and_exits_nonzero(tiny_llama):
         events = [json.loads(line[6:]) for line in rest if line != "data: [DONE]"]
         assert any("error" in e for e in events), rest[-3:]
         assert server.proc.wait(timeout=30) == 1
-    finally:
-        log = server.stop()
-    assert "engine" in log and "died" in log
+    assert "engine" in server.log and "died" in server.log
 
 
 def test_32_concurrent_streams_match_offline_llm(server, tiny_llama):

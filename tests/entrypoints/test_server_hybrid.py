@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.fixtures.checkpoints import save_served
-from tests.fixtures.servers import Server, metric
+from tests.fixtures.servers import metric, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -28,9 +28,7 @@ def test_hybrid_served_matches_offline_and_hits_checkpoints(tiny_hybrid):
     rng = random.Random(3)
     prompts = [[rng.randrange(100, 49000) for _ in range(rng.randint(40, 120))] for _ in range(4)]
     # A pool that keeps every request's checkpoints (end checkpoints too) cached until the repeat.
-    server = Server(tiny_hybrid, "--num-kv-blocks", "96", max_model_len=256)
-    try:
-        server.wait_ready()
+    with running_server(tiny_hybrid, "--num-kv-blocks", "96", max_model_len=256) as server:
         body = {"model": "tiny", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
         served = []
         for prompt in prompts + prompts[:1]:  # the last one repeats the first: a checkpoint hit
@@ -47,8 +45,6 @@ def test_hybrid_served_matches_offline_and_hits_checkpoints(tiny_hybrid):
             if line.startswith("tokenos:prefix_cache_hit_tokens_by_source_total{") and "checkpoint" in line
         )
         assert resumed > 0 and 'kind="mamba"' in metrics
-    finally:
-        server.stop()
     llm = LLM(tiny_hybrid, dtype="float32", max_model_len=256)
     offline = llm.generate(
         [{"prompt_token_ids": p} for p in prompts],

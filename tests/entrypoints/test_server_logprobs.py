@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import save_served
-from tests.fixtures.servers import Server
+from tests.fixtures.servers import running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -26,12 +26,8 @@ def folder(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(folder):
-    server = Server(folder)
-    try:
-        server.wait_ready()
+    with running_server(folder) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

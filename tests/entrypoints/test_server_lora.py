@@ -12,7 +12,7 @@ import pytest
 from tests.fixtures.checkpoints import save_served
 from tests.fixtures.llm import make_llm
 from tests.fixtures.lora import ATTENTION, MLP, save_adapter
-from tests.fixtures.servers import Server
+from tests.fixtures.servers import Server, running_server
 from tokenos import SamplingParams
 from tokenos.lora import LoRARequest
 
@@ -33,16 +33,9 @@ def folders(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def server(folders):
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
-        server = Server(
-            folders["base"], "--enable-lora", "--max-loras", "2", "--lora-modules", f"a={folders['a']}"
-        )
-    try:
-        server.wait_ready()
+    flags = ("--enable-lora", "--max-loras", "2", "--lora-modules", f"a={folders['a']}")
+    with running_server(folders["base"], *flags, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -110,13 +103,9 @@ def test_bad_adapters_are_refused_and_the_server_goes_on(server, folders, tmp_pa
 
 
 def test_runtime_updates_are_off_unless_allowed(folders):
-    server = Server(folders["base"], "--enable-lora", "--lora-modules", f"a={folders['a']}")
-    try:
-        server.wait_ready()
+    with running_server(folders["base"], "--enable-lora", "--lora-modules", f"a={folders['a']}") as server:
         r = httpx.post(
             f"{server.url}/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": folders["b"]}
         )
         assert r.status_code == 404
         assert _complete(server, "a").status_code == 200
-    finally:
-        server.stop()

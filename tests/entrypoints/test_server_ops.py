@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.fixtures.checkpoints import save_served
-from tests.fixtures.servers import Server
+from tests.fixtures.servers import Server, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -95,9 +95,7 @@ def test_tls_and_root_path(folder, tmp_path):
     pytest.importorskip("cryptography")
     key, cert = self_signed(tmp_path)
     flags = ("--ssl-keyfile", key, "--ssl-certfile", cert, "--root-path", "/api", "--enable-docs")
-    server = Server(folder, *flags)
-    try:
-        server.wait_ready()
+    with running_server(folder, *flags) as server:
         assert server.url.startswith("https://")
         trust = ssl.create_default_context(cafile=cert)  # the handshake checks the certificate
         models = httpx.get(f"{server.url}/v1/models", verify=trust, timeout=30)
@@ -105,5 +103,3 @@ def test_tls_and_root_path(folder, tmp_path):
         assert {"url": "/api"} in httpx.get(f"{server.url}/openapi.json", verify=trust).json()["servers"]
         with pytest.raises(httpx.HTTPError):
             httpx.get(server.url.replace("https", "http") + "/health", timeout=5)  # no plain HTTP
-    finally:
-        server.stop()

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from tests.fixtures.checkpoints import save_served
-from tests.fixtures.servers import Server
+from tests.fixtures.servers import running_server
 
 openai = pytest.importorskip("openai")
 
@@ -18,12 +18,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     folder = save_served("llama", str(tmp_path_factory.mktemp("tiny-llama")))
-    server = Server(folder, "--chat-template", "chatml_tools", max_model_len=1024)
-    try:
-        server.wait_ready()
+    with running_server(folder, "--chat-template", "chatml_tools", max_model_len=1024) as server:
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-    finally:
-        server.stop()
 
 
 def test_text_and_stream(client):

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.fixtures.checkpoints import save_served
-from tests.fixtures.servers import Server, metric
+from tests.fixtures.servers import Server, metric, running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -28,12 +28,10 @@ BASE = {"model": "tiny", "prompt": "Hello there", "max_tokens": 3, "temperature"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     folder = save_served("llama", str(tmp_path_factory.mktemp("tiny-llama")))
-    server = Server(folder, "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING))
-    try:
-        server.wait_ready()
+    with running_server(
+        folder, "--max-num-seqs", str(MAX_NUM_SEQS), "--max-waiting-requests", str(MAX_WAITING)
+    ) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def post(server: Server, body: dict, route: str = "/v1/completions") -> httpx.Response:

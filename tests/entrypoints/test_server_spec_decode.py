@@ -11,7 +11,7 @@ import pytest
 
 from tests.fixtures.checkpoints import save_served
 from tests.fixtures.llm import make_llm
-from tests.fixtures.servers import Server, metric
+from tests.fixtures.servers import Server, metric, running_server
 from tokenos import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -27,12 +27,8 @@ def folder(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(folder):
-    server = Server(folder, "--speculative-config", json.dumps(SPEC))
-    try:
-        server.wait_ready()
+    with running_server(folder, "--speculative-config", json.dumps(SPEC)) as server:
         yield server
-    finally:
-        server.stop()
 
 
 def test_served_greedy_completions_equal_the_plain_engine(server, folder):

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from tests.fixtures.checkpoints import save_served
-from tests.fixtures.servers import Server
+from tests.fixtures.servers import running_server
 
 openai = pytest.importorskip("openai")
 jsonschema = pytest.importorskip("jsonschema")
@@ -53,12 +53,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris for 3 days?"}]
 def server(tmp_path_factory):
     folder = save_served("llama", str(tmp_path_factory.mktemp("tiny-llama")))
     flags = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--chat-template", "chatml_tools")
-    server = Server(folder, *flags, "--num-kv-blocks", "600", max_model_len=1024)
-    try:
-        server.wait_ready()
+    with running_server(folder, *flags, "--num-kv-blocks", "600", max_model_len=1024) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

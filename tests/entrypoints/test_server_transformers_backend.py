@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import save_served
-from tests.fixtures.servers import Server
+from tests.fixtures.servers import running_server
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -25,13 +25,9 @@ def test_served_greedy_completion_is_transformers_greedy(tmp_path):
         want = ref.generate(
             torch.tensor([PROMPT]), max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0
         )[0, len(PROMPT) :].tolist()
-    server = Server(folder, "--model-impl", "transformers")
-    try:
-        server.wait_ready()
+    with running_server(folder, "--model-impl", "transformers") as server:
         body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == AutoTokenizer.from_pretrained(folder).decode(want)
-    finally:
-        log = server.stop()
-    assert "GPTNeoXForCausalLM: transformers implementation" in log
+    assert "GPTNeoXForCausalLM: transformers implementation" in server.log
