@@ -256,6 +256,24 @@ def test_reset_prefix_cache_and_stats():
     }
 
 
+def test_a_request_the_worker_fails_leaves_no_block_of_that_step_in_the_prefix_cache():
+    """The worker fails a request alone (its adapter did not load, so its rows ran as the base model):
+    the blocks its step filled are unpublished, while the blocks of earlier steps stay."""
+    s, w, c = make(max_num_batched_tokens=8)
+    prompt = list(range(1, 18))
+    s.add_request(make_request("a", prompt))
+    out, _ = step(s, w, c)  # 8 tokens: two full blocks, trusted
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {"a": 8}
+    mo = w.execute(out)
+    mo.failed["a"] = "LoRA adapter could not be loaded"
+    (failure,) = s.update_from_output(out, mo)
+    assert failure.error == "LoRA adapter could not be loaded" and "a" not in s.requests
+    s.add_request(make_request("b", prompt))
+    out, _ = step(s, w, c)
+    assert out.scheduled_new_reqs[0].num_computed_tokens == 8  # the first step's blocks only
+
+
 def test_max_loras_caps_the_adapters_running_in_order_and_nobody_starves():
     s, w, c = make(max_num_batched_tokens=64)
     s.max_loras = 1

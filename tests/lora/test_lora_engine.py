@@ -10,6 +10,7 @@ import shutil
 
 import pytest
 
+import tokenos.lora.manager as manager_module
 from tests.fixtures.checkpoints import LLM_SHAPE, save_tiny
 from tests.fixtures.llm import DENSE, hf_generate_greedy, make_llm
 from tests.fixtures.lora import ATTENTION, MLP, save_adapter
@@ -113,6 +114,62 @@ def test_an_adapter_changed_on_disk_is_refused_until_reloaded(setup, tmp_path):
         llm.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(), use_tqdm=False, lora_request=changing)
     # the engine goes on serving everyone else
     assert llm.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_waiting_requests_hold_no_weights_so_the_table_stays_bounded(setup):
+    """Requests for more adapters than max_loras + max_cpu_loras all queued at once: never more than that
+    many adapters are loaded, and everyone gets their adapter's tokens."""
+    root, base_folder, base, refs, loras = setup
+    llm = make_llm(base_folder, enable_lora=True, max_loras=1, max_cpu_loras=1)
+    manager = llm.engine.loras
+    for name in loras:
+        llm.add_lora(loras[name])
+    loaded: list[int] = []
+    set_step = manager.set_step
+    manager.set_step = lambda *a: set_step(*a) or loaded.append(len(manager.loaded))
+    prompts = DENSE.prompts(8, 4, 16, seed=21)
+    names = [f"a{i % 4}" for i in range(len(prompts))]
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        _greedy(),
+        use_tqdm=False,
+        lora_request=[loras[n] for n in names],
+    )
+    assert loaded and max(loaded) <= 2, loaded
+    for out, prompt, name in zip(outputs, prompts, names, strict=True):
+        assert out.outputs[0].token_ids == hf_generate_greedy(refs[name], prompt, 6)[0]
+    llm.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(), use_tqdm=False)  # tells the worker who finished
+    assert not manager.active and not manager.refs
+
+
+def test_an_adapter_that_changes_while_its_request_waits_fails_that_request_alone(
+    setup, tmp_path, monkeypatch
+):
+    """Its files change after the request was accepted but before it runs: loading them then is refused,
+    that request ends with the reason, and the rest of the batch is served."""
+    root, base_folder, base, refs, loras = setup
+    folder = str(tmp_path / "changing")
+    shutil.copytree(loras["a0"].lora_path, folder)
+    llm = make_llm(base_folder, enable_lora=True, max_loras=1, max_cpu_loras=1)
+    changing = LoRARequest("changing", 9, folder)
+    llm.add_lora(changing)
+    llm.add_lora(loras["a1"])  # evicts "changing" (idle)
+    accepted_hash = manager_module.content_hash(folder)
+    save_adapter(base_folder, folder, r=4, targets=ATTENTION, seed=5)  # new weights in the same folder
+    monkeypatch.setattr(manager_module, "content_hash", lambda path: accepted_hash)  # as checked on arrival
+    prompts = DENSE.prompts(2, 5, 9, seed=23)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        _greedy(),
+        use_tqdm=False,
+        lora_request=[loras["a1"], changing],
+    )
+    assert outputs[0].error is None
+    assert outputs[0].outputs[0].token_ids == hf_generate_greedy(refs["a1"], prompts[0], 6)[0]
+    assert outputs[1].error is not None and "changed on disk" in outputs[1].error
+    assert not llm.engine.has_unfinished_requests() and llm.get_metrics()["kv_cache_usage"] == 0.0
+    llm.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(), use_tqdm=False)  # tells the worker who finished
+    assert not llm.engine.loras.active and not llm.engine.loras.refs
 
 
 def _rewrite_config(folder: str, **changes) -> None:

@@ -1,12 +1,15 @@
 """The adapters one engine serves: registered by name, loaded in a bounded table, applied per step.
 
 - ``register(name, path)`` reads and checks the adapter against the model (`tokenos.lora.adapter`) and
-  names it; ``unregister(name)`` forgets the name (requests already running keep their weights).
-- ``acquire(name)`` is called when a request arrives: it pins the adapter (loading it again from its
-  folder if it was evicted, refusing it if the files changed since it was registered) and returns the
-  key the request carries; ``release(key)`` when the request is gone.
-- The table holds every pinned adapter plus at most ``max_cpu_loras`` idle ones, least recently used
-  leaving first; the scheduler keeps the adapters of one step at ``max_loras``.
+  names it; ``unregister(name)`` forgets the name (requests already submitted keep their adapter).
+- ``acquire(name)`` is called when a request arrives: it returns the key the request carries and counts
+  the request as the adapter's (refusing an unknown name, or files changed on disk since registration);
+  ``release(key)`` when the request is gone. Arrival loads nothing: a waiting request holds no weights.
+- ``activate(key)`` / ``deactivate(key)`` are called by the worker as a request enters and leaves the
+  running batch: an adapter's weights are loaded (again, from its folder, if they were evicted) when its
+  first request runs. The table holds the adapters of running requests (at most ``max_loras``, which
+  the scheduler keeps) plus at most ``max_cpu_loras`` idle ones, least recently used leaving first: on a
+  CPU the slot table and host memory are one, so an evicted adapter goes back to its folder.
 - ``set_step(segments, num_tokens)`` gives the adapted linears this step's segments (`LoRAStep`), and
   says when they should run one adapter merged into their weights: once every token of
   ``MERGE_AFTER_STEPS`` steps in a row used the same adapter (a merge costs about a decode step's worth
@@ -24,7 +27,7 @@ from torch import nn
 
 from tokenos.config import LoRAConfig
 from tokenos.layers.linear import Linear
-from tokenos.lora.adapter import AdapterInfo, ModuleWeights, load_adapter
+from tokenos.lora.adapter import AdapterInfo, ModuleWeights, content_hash, load_adapter
 from tokenos.lora.layers import LoRALayer, LoRAStep
 
 logger = logging.getLogger(__name__)
@@ -41,7 +44,9 @@ class LoRAManager:
         self.step = LoRAStep()
         self.registered: dict[str, AdapterInfo] = {}  # name -> the adapter requests naming it get
         self.loaded: OrderedDict[str, dict[str, ModuleWeights]] = OrderedDict()  # key -> weights (LRU)
-        self.pins: dict[str, int] = {}
+        self.users: dict[str, AdapterInfo] = {}  # key -> its adapter, while live requests carry it
+        self.refs: dict[str, int] = {}  # key -> live requests carrying it (waiting or running)
+        self.active: dict[str, int] = {}  # key -> requests in the running batch (weights pinned)
         self.layers: dict[str, LoRALayer] = {}
         self.merged: str | None = None  # the adapter whose merged copies the layers hold
         # The adapter that had every token of the last steps (None: none did), and for how many steps.
@@ -66,8 +71,8 @@ class LoRAManager:
         info = self.registered.pop(name, None)
         if info is None:
             return False
-        if not self.pins.get(info.key):
-            self._drop_weights(info.key)
+        if not self.active.get(info.key):
+            self._drop_weights(info.key)  # waiting requests, if any, reload it from its folder
         return True
 
     def list(self) -> list[AdapterInfo]:
@@ -76,38 +81,66 @@ class LoRAManager:
     # ------------------------------------------------------------ requests
 
     def acquire(self, name: str) -> str:
-        """Pin the adapter ``name`` for a new request; its key. ValueError for an unknown name."""
+        """Count a new request as adapter ``name``'s; its key. ValueError for an unknown name, or files
+        changed on disk since the adapter was registered (checked when they are not loaded)."""
         info = self.registered.get(name)
         if info is None:
             known = ", ".join(sorted(self.registered)) or "none"
             raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {known}).")
-        key = info.key
-        if key not in self.loaded:
-            self._reload(info)
-        self.loaded.move_to_end(key)
-        self.pins[key] = self.pins.get(key, 0) + 1
-        return key
+        if info.key not in self.loaded and info.key not in self.refs:
+            self._check_unchanged(info, content_hash(info.path))
+        self.users[info.key] = info
+        self.refs[info.key] = self.refs.get(info.key, 0) + 1
+        return info.key
 
     def release(self, key: str) -> None:
-        count = self.pins.get(key, 0) - 1
+        count = self.refs.get(key, 0) - 1
         if count > 0:
-            self.pins[key] = count
+            self.refs[key] = count
             return
-        self.pins.pop(key, None)
-        if not any(info.key == key for info in self.registered.values()):
+        self.refs.pop(key, None)
+        self.users.pop(key, None)
+        if not self._registered(key):
             self._drop_weights(key)  # unloaded (or replaced) while requests still used it
         else:
             self._evict_idle()
 
+    def activate(self, key: str) -> None:
+        """A request carrying ``key`` joins the running batch: its weights are loaded, and stay while it
+        runs. ValueError (that request fails alone) if its files changed on disk since registration."""
+        if key not in self.loaded:
+            self._reload(self.users[key])
+        self.loaded.move_to_end(key)
+        self.active[key] = self.active.get(key, 0) + 1
+
+    def deactivate(self, key: str) -> None:
+        """A request carrying ``key`` left the running batch (finished, aborted or preempted)."""
+        count = self.active.get(key, 0) - 1
+        if count > 0:
+            self.active[key] = count
+            return
+        self.active.pop(key, None)
+        if not self._registered(key) and key not in self.refs:
+            self._drop_weights(key)
+        else:
+            self._evict_idle()
+
+    def _registered(self, key: str) -> bool:
+        return any(info.key == key for info in self.registered.values())
+
     def _reload(self, info: AdapterInfo) -> None:
         now, weights = load_adapter(info.path, info.name, self.model, self.config.max_lora_rank, self.dtype)
-        if now.content_hash != info.content_hash:
+        self._check_unchanged(info, now.content_hash)
+        self._install(info.key, weights)
+        self._evict_idle()
+
+    @staticmethod
+    def _check_unchanged(info: AdapterInfo, digest: str) -> None:
+        if digest != info.content_hash:
             raise ValueError(
                 f"LoRA adapter {info.name!r} changed on disk since it was loaded from {info.path}: "
                 "unload and load it again to serve the new weights."
             )
-        self._install(info.key, weights)
-        self._evict_idle()
 
     # ------------------------------------------------------------ the table
 
@@ -127,7 +160,7 @@ class LoRAManager:
         return layer
 
     def _evict_idle(self) -> None:
-        idle = [k for k in self.loaded if not self.pins.get(k)]  # least recently used first
+        idle = [k for k in self.loaded if not self.active.get(k)]  # least recently used first
         for key in idle[: max(len(idle) - self.config.max_cpu_loras, 0)]:
             self._drop_weights(key)
 
@@ -141,7 +174,7 @@ class LoRAManager:
 
     def set_step(self, segments: list[tuple[str, int, int]], num_tokens: int) -> None:
         """This step's (key, start token, end token) segments over its ``num_tokens`` tokens; every key
-        must be pinned (loaded)."""
+        must be active (loaded)."""
         for key, _, _ in segments:
             if key not in self.loaded:
                 raise RuntimeError(f"LoRA adapter {key} is scheduled but not loaded")

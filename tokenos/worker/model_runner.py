@@ -76,7 +76,9 @@ class ModelRunner:
         self.max_model_len = model_config.max_model_len
         self.model = build_model(model_config)
         self.lora = LoRAManager(self.model, lora_config, model_config.dtype) if lora_config else None
-        self.adapter_of: dict[str, int | str] = {}  # req id -> its adapter key (LoRA requests only)
+        self.adapter_of: dict[str, str] = {}  # req id -> its adapter key (LoRA requests in the batch)
+        # Requests whose adapter could not be loaded as they joined the batch: they fail this step.
+        self.adapter_failures: dict[str, str] = {}
         self.sampler = Sampler()
         self.rejection_sampler = RejectionSampler(self.sampler)
         self.logits_processor_classes = list(logits_processors)
@@ -163,10 +165,10 @@ class ModelRunner:
         batch.remove_requests(gone)
         if self.adapter_of:
             for req_id in gone:
-                self.adapter_of.pop(req_id, None)
+                self._leave_adapter(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             if new.adapter_id is not None:
-                self.adapter_of[new.req_id] = new.adapter_id
+                self._join_adapter(new.req_id, str(new.adapter_id))
             batch.remove_requests((new.req_id,))  # resumed after a preemption: rebuilt from scratch
             batch.add_request(
                 new.req_id,
@@ -233,6 +235,7 @@ class ModelRunner:
         discard = np.flatnonzero(~sample_mask).tolist()
         metadata = batch.sampling.make_metadata(n, discard_rows=discard)
         sampled, sampled_logprobs, failed = self._sample(logits, metadata, req_ids)
+        failed = self._failed_adapters(failed)
 
         sampled_lists: list[list[int]] = []
         logprobs: list[list[TokenLogprobs] | None] = []
@@ -250,6 +253,33 @@ class ModelRunner:
         return self._output(hidden, req_ids, inputs, sampled_lists, logprobs, failed)
 
     # ------------------------------------------------------------------ LoRA
+
+    def _join_adapter(self, req_id: str, key: str) -> None:
+        """A request of adapter ``key`` joins the batch: its weights are loaded now (`LoRAManager`).
+        Where that fails (its files changed on disk) the request runs as a base-model row this step,
+        its output discarded, and fails alone."""
+        if req_id in self.adapter_of:
+            return
+        try:
+            self.lora.activate(key)
+        except (ValueError, OSError) as e:
+            self.adapter_failures[req_id] = f"LoRA adapter could not be loaded: {e}"
+            return
+        self.adapter_of[req_id] = key
+
+    def _leave_adapter(self, req_id: str) -> None:
+        key = self.adapter_of.pop(req_id, None)
+        if key is not None:
+            self.lora.deactivate(key)
+        self.adapter_failures.pop(req_id, None)
+
+    def _failed_adapters(self, failed: dict[str, str]) -> dict[str, str]:
+        """``failed`` plus this step's requests whose adapter did not load."""
+        if not self.adapter_failures:
+            return failed
+        failed = {**failed, **self.adapter_failures}
+        self.adapter_failures.clear()
+        return failed
 
     def _order_by_adapter(self, n: int) -> None:
         """Rows [0, n) grouped by adapter (base-model rows first), so each adapter's tokens are one
@@ -334,6 +364,7 @@ class ModelRunner:
             apply_grammar_masks(logits, *_draft_mask_rows(req_ids, firsts, width, grammar_masks))
         discard = np.flatnonzero(~sample_mask).tolist()
         tokens, logprobs, failed = self._spec_sample(logits, firsts, drafts, req_ids, discard)
+        failed = self._failed_adapters(failed)
         sampled_lists: list[list[int]] = []
         out_logprobs: list[list[TokenLogprobs] | None] = []
         for row in range(n):

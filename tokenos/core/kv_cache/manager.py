@@ -194,6 +194,14 @@ class KVCacheManager:
             self.coordinator.uncache_blocks_from(request, request.num_computed_tokens)
         self._release(request)
 
+    def free_failed_step(self, request: Request, step_start: int) -> None:
+        """Free a request the worker failed in the step that took it from ``step_start`` tokens: what
+        that step wrote is not trusted (a LoRA adapter that did not load ran its rows as the base
+        model), so the blocks it filled leave the prefix cache and no end state is published."""
+        if self.enable_caching:
+            self.coordinator.uncache_blocks_from(request, step_start)
+        self._release(request)
+
     def _release(self, request: Request) -> None:
         self._horizon.pop(request.request_id, None)
         self.coordinator.free(request.request_id)

@@ -101,7 +101,8 @@ class Scheduler:
         self.proposer = make_proposer(speculative_config) if speculative_config is not None else None
         self.spec_stats = SpecStats(speculative_config.num_speculative_tokens if speculative_config else 0)
         self.max_loras = max_loras
-        # Called with every request the scheduler lets go (finished, aborted): the engine unpins its adapter.
+        # Called with every request the scheduler lets go (finished, aborted): the engine releases its
+        # adapter.
         self.on_request_freed: Callable[[Request], None] | None = None
 
     # ------------------------------------------------------------------ requests in and out
@@ -148,12 +149,15 @@ class Scheduler:
         if drop_running:
             self.running = [r for r in self.running if r.status == _RUNNING]
 
-    def _free_request(self, req: Request) -> None:
+    def _free_request(self, req: Request, failed_step_start: int | None = None) -> None:
         if self.proposer is not None:
             self.proposer.forget(req.request_id)
         if self.forks.waiters:
             self.forks.release(req, fork=False)  # an aborted parent: siblings go on alone
-        self.kv_cache_manager.free(req)
+        if failed_step_start is None:
+            self.kv_cache_manager.free(req)
+        else:
+            self.kv_cache_manager.free_failed_step(req, failed_step_start)
         del self.requests[req.request_id]
         self.finished_req_ids.add(req.request_id)
         if self.on_request_freed is not None:
@@ -347,7 +351,7 @@ class Scheduler:
             if forks.waiters:
                 forks.after_step(req)
             if failed and rid in failed:
-                outputs.append(self._fail(req, failed[rid]))
+                outputs.append(self._fail(req, failed[rid], scheduler_output.num_scheduled_tokens[rid]))
                 any_finished = True
                 continue
             i = index.get(rid)
@@ -431,10 +435,10 @@ class Scheduler:
             return []
         return drafts[: grammar.validate(drafts)]
 
-    def _fail(self, req: Request, error: str) -> EngineCoreOutput:
-        """End a request the worker failed alone (its step ran, so its pages are valid and kept)."""
+    def _fail(self, req: Request, error: str, num_scheduled: int) -> EngineCoreOutput:
+        """End a request the worker failed alone; the pages its last step wrote are not trusted."""
         req.status = RequestStatus.FINISHED_ABORTED
-        self._free_request(req)
+        self._free_request(req, failed_step_start=req.num_computed_tokens - num_scheduled)
         return EngineCoreOutput(req.request_id, [], finish_reason=int(FinishReason.ABORT), error=error)
 
     @staticmethod
