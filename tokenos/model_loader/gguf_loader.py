@@ -180,6 +180,12 @@ class _Meta:
     def get(self, key: str, default: Any = None) -> Any:
         return _field(self.reader, f"{self.arch}.{key}", default)
 
+    def required(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"{self.path}: GGUF metadata lacks {self.arch}.{key}")
+        return value
+
     def has(self, key: str) -> bool:
         full = f"{self.arch}.{key}"
         return full in self.reader.fields
@@ -197,13 +203,12 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     family = gguf_family(arch)
     meta = _Meta(reader, arch, path)
     _refuse_unread_keys(meta, family)
-    hidden = meta.get("embedding_length")
-    heads = meta.get("attention.head_count")
+    theta, scaling = _rope(meta)
+    hidden, heads = meta.required("embedding_length"), meta.required("attention.head_count")
     head_dim = meta.get("attention.key_length", hidden // heads)
     _check_head_dims(meta, head_dim, arch == "phi3")
-    theta, scaling = _rope(meta)
     embd = meta.names["token_embd.weight"]
-    layers = meta.get("block_count")
+    layers = meta.required("block_count")
     fields = {
         "architecture": family.architecture,
         "hidden_size": hidden,
