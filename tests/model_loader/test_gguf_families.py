@@ -40,7 +40,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 }
 # The GGUF architectures transformers' GGUF loader reads (``GGUF_SUPPORTED_ARCHITECTURES``).
 TRANSFORMERS_READS = ("llama", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
-QUANTIZED = ("gemma3", "phi3", "qwen2moe", "granite")
+QUANTIZED = ("gemma3", "phi3", "qwen2moe", "qwen3moe", "granite")
 MAX_TOKENS = 8
 # The ModelConfig fields a GGUF must resolve exactly as the Hugging Face folder does.
 CONFIG_FIELDS = (
@@ -156,6 +156,10 @@ def test_q8_0_gguf_stays_packed_and_generates_like_transformers(checkpoints, tmp
     layer = ours.stack.layers[0]
     assert layer.self_attn.qkv_proj.quantized is not None and layer.self_attn.o_proj.quantized is not None
     assert ours.stack.embed.quantized is not None
+    experts = getattr(layer.mlp, "experts", None)
+    if experts is not None:  # the [E, out, in] stacks too, one packed weight per expert and projection
+        assert set(experts.quantized) == {"gate_up_proj", "down_proj"}
+        assert experts.gate_up_proj.weight is None and experts.down_proj.weight is None
     check_llm_parity(path, dequantized_reference(model, "Q8_0"))
 
 

@@ -491,7 +491,8 @@ def iter_gguf_weights(
     for tensor in reader.tensors:
         m = _BLOCK_RE.match(tensor.name)
         if m and m.group(2) in _EXPERT_NAMES:
-            yield from _expert_weights(reader, tensor, m.group(1), _EXPERT_NAMES[m.group(2)], dequantized)
+            proj = _EXPERT_NAMES[m.group(2)]
+            yield from _expert_weights(reader, tensor, m.group(1), proj, keep_quantized, dequantized)
             continue
         name = hf_name(tensor.name, arch)
         if name is None:
@@ -533,13 +534,18 @@ def _dense(reader: GGUFFile, tensor: Any, dequantized: Counter[str]) -> np.ndarr
 
 
 def _expert_weights(
-    reader: GGUFFile, tensor: Any, layer: str, proj: str, dequantized: Counter[str]
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """One stacked [E, out, in] expert tensor as the per-expert tensors of an HF checkpoint (dense: the
-    model holds its experts stacked in the compute dtype)."""
+    reader: GGUFFile, tensor: Any, layer: str, proj: str, keep_quantized: bool, dequantized: Counter[str]
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """One stacked [E, out, in] expert tensor as the per-expert tensors of an HF checkpoint: each expert's
+    rows a `QuantizedTensor` where the block type stays quantized, else float32."""
+    names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in range(tensor.shape[0])]
+    if keep_quantized and tensor.ggml_type in _KEPT_TYPES:
+        raw = reader.raw(tensor)
+        for e, name in enumerate(names):
+            yield name, gguf_quantized(raw[e], tensor.ggml_type)
+        return
     stack = _dense(reader, tensor, dequantized)
-    for e in range(stack.shape[0]):
-        name = f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+    for e, name in enumerate(names):
         yield name, torch.from_numpy(np.require(stack[e], np.float32, ["C", "W"]))
 
 
