@@ -30,6 +30,23 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "granite": ("granite", {}),
     "olmo2": ("olmo2", {}),
     "phi3": ("phi3", {"partial_rotary_factor": 0.5}),
+    # The "128k" recipe: longrope factors (4 = half the rotary dims) as two tensors, prompts within the
+    # original 64 positions.
+    "phi3_longrope": (
+        "phi3",
+        {
+            "partial_rotary_factor": 0.5,
+            "max_position_embeddings": 256,
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.1, 1.3, 1.6],
+                "long_factor": [1.5, 2.5, 4.0, 6.0],
+            },
+        },
+    ),
     "gemma2": ("gemma2", {"query_pre_attn_scalar": 16}),
     "gemma3": (
         "gemma3_text",
@@ -39,7 +56,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen3moe": ("qwen3_moe", {"decoder_sparse_step": 1}),
 }
 # The GGUF architectures transformers' GGUF loader reads (``GGUF_SUPPORTED_ARCHITECTURES``).
-TRANSFORMERS_READS = ("llama", "phi3", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
+TRANSFORMERS_READS = ("llama", "phi3", "phi3_longrope", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
 QUANTIZED = ("gemma3", "phi3", "qwen2moe", "qwen3moe", "granite")
 MAX_TOKENS = 8
 # The ModelConfig fields a GGUF must resolve exactly as the Hugging Face folder does.
@@ -115,12 +132,30 @@ def test_transformers_reads_our_gguf_back(checkpoints, family):
         torch.testing.assert_close(tensor, state[name], atol=1e-6, rtol=0, msg=name)
 
 
+def assert_same_rope(ours: dict | None, theirs: dict | None) -> None:
+    """The same scaling up to GGUF's float32 (longrope's factors, the attention factor the converter
+    computed where transformers derives it) and the HF dict's extra partial_rotary_factor (Phi-3's, read
+    from hf_config)."""
+    from tokenos.layers.rotary import rope_attention_factor
+
+    if ours is None or theirs is None:
+        assert ours == theirs
+        return
+    assert rope_attention_factor(ours) == pytest.approx(rope_attention_factor(theirs), rel=1e-7)
+    for key in set(ours) | set(theirs):
+        if key not in ("attention_factor", "partial_rotary_factor"):
+            assert ours[key] == pytest.approx(theirs[key], rel=1e-7), key
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_gguf_config_matches_hf_folder(checkpoints, family):
     _, folder, path = checkpoints(family)
     ours, theirs = load_model_config(path, dtype="float32"), load_model_config(folder, dtype="float32")
     for name in CONFIG_FIELDS:
-        assert getattr(ours, name) == getattr(theirs, name), name
+        if name == "rope_scaling":
+            assert_same_rope(ours.rope_scaling, theirs.rope_scaling)
+        else:
+            assert getattr(ours, name) == getattr(theirs, name), name
     assert ours.quantization == "gguf" and ours.gguf_file
 
 

@@ -261,13 +261,16 @@ def _check_head_dims(meta: _Meta, head_dim: int, partial_rotary: bool) -> None:
 
 
 def _rope(meta: _Meta) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) of the full-attention layers. Linear scaling is read; every other type is refused
-    (running it as default rope would be silently wrong)."""
+    """(theta, scaling) of the full-attention layers. Linear scaling is read, and Phi-3's longrope (its
+    factor tensors, `_phi3_longrope`); every other type is refused (running it as default rope would be
+    silently wrong)."""
     if "rope_freqs.weight" in meta.names:
         raise meta.refuse("rope_freqs (Llama 3.1-style rope scaling)")
-    if "rope_factors_long.weight" in meta.names:
-        raise meta.refuse("rope_factors_long / rope_factors_short (longrope scaling)")
     theta = float(meta.get("rope.freq_base", 10000.0))
+    if "rope_factors_long.weight" in meta.names:
+        if meta.arch != "phi3":
+            raise meta.refuse(f"rope_factors_long / rope_factors_short (longrope) for {meta.arch}")
+        return theta, _phi3_longrope(meta)
     scaling = meta.get("rope.scaling.type", "none")
     factor = meta.get("rope.scaling.factor")
     if scaling == "none" or (scaling == "linear" and factor in (None, 1)):
@@ -334,6 +337,25 @@ def _gemma_query_scalar(meta: _Meta, fields: dict[str, Any]) -> float:
     if fields["num_hidden_layers"] == _GEMMA_27B_LAYERS[meta.arch]:
         return fields["hidden_size"] / fields["num_attention_heads"]
     return float(fields["head_dim"])
+
+
+def _phi3_longrope(meta: _Meta) -> dict[str, Any]:
+    """Phi-3's longrope as its converter writes it: the per-dimension factors as two tensors, the original
+    context and (when it differs from 1) the attention factor it computed from the two lengths."""
+    scaling_type = meta.get("rope.scaling.type", "longrope")
+    if scaling_type not in ("longrope", "none"):
+        raise meta.refuse(f"{meta.arch}.rope.scaling.type {scaling_type!r} beside longrope factors")
+    original = int(meta.required("rope.scaling.original_context_length"))
+    factors = {
+        f"{kind}_factor": meta.reader.dequantize(meta.names[f"rope_factors_{kind}.weight"]).tolist()
+        for kind in ("long", "short")
+    }
+    scaling = {"rope_type": "longrope", **factors, "original_max_position_embeddings": original}
+    scaling["factor"] = meta.get("context_length", 2048) / original
+    attention = meta.get("rope.scaling.attn_factor")
+    if attention is not None:
+        scaling["attention_factor"] = float(attention)
+    return scaling
 
 
 def _phi3_fields(meta: _Meta, fields: dict[str, Any]) -> None:
