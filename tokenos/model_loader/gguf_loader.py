@@ -1,17 +1,36 @@
-"""GGUF checkpoints: the config from ``<arch>.*`` keys and weights dequantized to HF names.
+"""GGUF checkpoints: the config from ``<arch>.*`` keys and weights under their Hugging Face names.
 
-llama.cpp's converter renames every tensor (``blk.N.attn_q`` ...) and, for the llama
-architecture only, permutes the rows of q and k so that rotary pairs are interleaved. We
-rename back to Hugging Face names and undo that permutation, so the model code sees exactly
-what it would see from a safetensors folder.
+Every architecture llama.cpp defines and tokenos runs natively loads (`GGUF_FAMILIES`): llama, qwen2,
+qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, olmo2, granite. llama.cpp's converter renames every
+tensor (``blk.N.attn_q`` ...) and changes a few on the way; we undo each change, so the model code sees
+exactly what it would see from a safetensors folder:
+
+- the llama converter (and Granite's, its subclass) permutes the rows of q and k (weights and biases) so
+  that rotary pairs are interleaved: un-permuted;
+- Gemma's converter stores every RMSNorm weight as ``1 + w`` (transformers' GemmaRMSNorm scales by
+  ``1 + w``, llama.cpp by the stored weight): we subtract the 1 again;
+- MoE experts are stacked per projection ``[E, out, in]`` (``ffn_gate_exps`` ...): split per expert;
+- names differ per family: Gemma's ``ffn_norm`` is its pre-MLP norm, OLMo 2 / Gemma's post-norms are
+  ``post_attention_norm`` / ``post_ffw_norm``, Phi-3 keeps q/k/v and gate/up fused (``attn_qkv``,
+  ``ffn_up``).
+
+What the converter writes beyond the Llama keys goes into ``hf_config`` under transformers' names, where
+the model code reads it for a folder too: Gemma's window, layer pattern, soft caps, query scale and (Gemma
+3) sliding-layer rope base, Phi-3's partial rotary, window and longrope factors, the experts' counts and
+sizes, Granite's multipliers. What llama.cpp hardcodes instead of writing, we hardcode as it does (Gemma
+2's window 4096 and caps 50 / 30 when absent, Gemma 3's five sliding layers in six and sliding base
+10000, Gemma's 27B query scale, Qwen3-MoE's renormalized top-k). Metadata that would change the model
+and that a family does not read (soft caps or multipliers elsewhere, experts in a llama file, a non-softmax
+router, partial rotary outside Phi-3, a rope scaling other than linear / Phi-3's longrope) is refused
+with a ValueError naming the key, never run as the plain model.
 
 Quantized blocks stay quantized where our packed layout holds them (`gguf_quantized`): Q8_0 is int8 with
 one fp16 scale per 32, Q4_0 is int4 with scale d and zero -8d, Q4_1 int4 with scale d and zero m (all
 exact). The K-quants' sub-blocks map with their two-level scales multiplied out and rounded once to fp16
 (relative error 2^-11 of a scale): Q4_K is int4 per 32 with scale d * sc and zero -dmin * m, Q5_K the
 same in int8 (its values are 5 bits), Q6_K int8 per 16 with scale d * scale and values q - 32. Those
-tensors are yielded as `QuantizedTensor`s; every other block type (IQ*, Q2_K, Q3_K, ...) is dequantized
-to float32, and the load says so in one log line.
+tensors (MoE experts included, one per expert) are yielded as `QuantizedTensor`s; every other block type
+(IQ*, Q2_K, Q3_K, ...) is dequantized to float32, and the load says so in one log line.
 """
 
 from __future__ import annotations
