@@ -5,7 +5,8 @@ Per family: transformers' own GGUF reader, where it knows the architecture, read
 model's tensors (so the file is what llama.cpp's converter would write, Gemma's ``1 + w`` norms and the
 q/k permutation included); the config resolved from the GGUF equals the one resolved from the Hugging Face
 folder; and `LLM` on the GGUF generates transformers' greedy tokens with logprobs within 1e-4 (float32).
-Q8_0 files keep their blocks packed and match transformers running the same dequantized weights. Metadata
+Q8_0 and Q4_0 files keep their blocks packed and match transformers running the same dequantized
+weights. Metadata
 that would change the model and that we do not read is refused.
 """
 
@@ -57,7 +58,8 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 }
 # The GGUF architectures transformers' GGUF loader reads (``GGUF_SUPPORTED_ARCHITECTURES``).
 TRANSFORMERS_READS = ("llama", "phi3", "phi3_longrope", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
-QUANTIZED = ("gemma3", "phi3", "qwen2moe", "qwen3moe", "granite")
+# (family, block type): Q8_0 for every family, Q4_0 (int4) where q / k are permuted and for the experts.
+QUANTIZED = [(f, "Q8_0") for f in FAMILIES] + [("llama", "Q4_0"), ("qwen3moe", "Q4_0")]
 MAX_TOKENS = 8
 # The ModelConfig fields a GGUF must resolve exactly as the Hugging Face folder does.
 CONFIG_FIELDS = (
@@ -165,6 +167,19 @@ def test_gguf_family_generates_like_transformers(checkpoints, family):
     check_llm_parity(path, model)
 
 
+def test_llama_gguf_matches_transformers_loading_the_same_file(checkpoints):
+    """transformers' own ``from_pretrained(gguf_file=...)`` (config from the metadata included: for llama
+    it reads every key the fixture writes) generates what `LLM` does on the same file."""
+    import os
+
+    from transformers import AutoModelForCausalLM
+
+    _, _, path = checkpoints("llama")
+    folder, name = os.path.split(path)
+    reference = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    check_llm_parity(path, reference)
+
+
 def dequantized_reference(model: torch.nn.Module, qtype: str) -> torch.nn.Module:
     """`model` with every weight the fixture quantizes replaced by its dequantized blocks (rows quantize
     independently, so this commutes with the q/k permutation and the expert stacking)."""
@@ -183,10 +198,10 @@ def dequantized_reference(model: torch.nn.Module, qtype: str) -> torch.nn.Module
     return reference
 
 
-@pytest.mark.parametrize("family", QUANTIZED)
-def test_q8_0_gguf_stays_packed_and_generates_like_transformers(checkpoints, tmp_path, family):
+@pytest.mark.parametrize(("family", "qtype"), QUANTIZED)
+def test_quantized_gguf_stays_packed_and_generates_like_transformers(checkpoints, tmp_path, family, qtype):
     model, _, _ = checkpoints(family)
-    path = write_gguf(model, str(tmp_path / "q8_0.gguf"), qtype="Q8_0")
+    path = write_gguf(model, str(tmp_path / f"{qtype}.gguf"), qtype=qtype)
     ours = build_model(load_model_config(path, dtype="float32"))
     layer = ours.stack.layers[0]
     assert layer.self_attn.qkv_proj.quantized is not None and layer.self_attn.o_proj.quantized is not None
@@ -195,7 +210,7 @@ def test_q8_0_gguf_stays_packed_and_generates_like_transformers(checkpoints, tmp
     if experts is not None:  # the [E, out, in] stacks too, one packed weight per expert and projection
         assert set(experts.quantized) == {"gate_up_proj", "down_proj"}
         assert experts.gate_up_proj.weight is None and experts.down_proj.weight is None
-    check_llm_parity(path, dequantized_reference(model, "Q8_0"))
+    check_llm_parity(path, dequantized_reference(model, qtype))
 
 
 def test_gemma3_sliding_window_pattern_key(tmp_path):
