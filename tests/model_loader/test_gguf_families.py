@@ -5,9 +5,8 @@ Per family: transformers' own GGUF reader, where it knows the architecture, read
 model's tensors (so the file is what llama.cpp's converter would write, Gemma's ``1 + w`` norms and the
 q/k permutation included); the config resolved from the GGUF equals the one resolved from the Hugging Face
 folder; and `LLM` on the GGUF generates transformers' greedy tokens with logprobs within 1e-4 (float32).
-Q8_0 and Q4_0 files keep their blocks packed and match transformers running the same dequantized
-weights. Metadata
-that would change the model and that we do not read is refused.
+Q8_0 and Q4_0 files keep their blocks packed and match transformers running the same dequantized weights.
+Metadata that would change the model and that we do not read is refused.
 """
 
 from __future__ import annotations
