@@ -104,7 +104,10 @@ class GGUFFamily:
     norm_plus_one: bool = False
     # attn_q_norm / attn_k_norm are per head (Qwen3, Gemma 3), not over all heads (OLMo 2's own).
     per_head_qk_norm: bool = True
-    # Metadata keys (after "<arch>.") this family reads; elsewhere a non-neutral value is refused.
+    # rope.dimension_count may rotate part of each head (Phi-3's partial_rotary_factor).
+    partial_rotary: bool = False
+    # Keys of `_NEUTRAL_VALUES` (after "<arch>.") this family reads; elsewhere a value other than the
+    # neutral one is refused.
     keys: frozenset[str] = frozenset()
 
 
@@ -142,11 +145,7 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
     "gemma3": GGUFFamily(
         "Gemma3ForCausalLM", {**_LAYER_NAMES, **_GEMMA_NAMES}, norm_plus_one=True, keys=_GEMMA_KEYS
     ),
-    "phi3": GGUFFamily(
-        "Phi3ForCausalLM",
-        {**_LAYER_NAMES, **_PHI3_NAMES},
-        keys=frozenset({"rope.dimension_count", "attention.sliding_window"}),
-    ),
+    "phi3": GGUFFamily("Phi3ForCausalLM", {**_LAYER_NAMES, **_PHI3_NAMES}, partial_rotary=True),
     "olmo2": GGUFFamily("Olmo2ForCausalLM", {**_LAYER_NAMES, **_OLMO2_NAMES}, per_head_qk_norm=False),
     "granite": GGUFFamily("GraniteForCausalLM", permuted_qk=True, keys=_GRANITE_KEYS),
 }
@@ -225,7 +224,7 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     theta, scaling = _rope(meta)
     hidden, heads = meta.required("embedding_length"), meta.required("attention.head_count")
     head_dim = meta.get("attention.key_length", hidden // heads)
-    _check_head_dims(meta, head_dim, arch == "phi3")
+    _check_head_dims(meta, head_dim, family.partial_rotary)
     embd = meta.names["token_embd.weight"]
     layers = meta.required("block_count")
     fields = {
@@ -266,7 +265,7 @@ def _refuse_unread_keys(meta: _Meta, family: GGUFFamily) -> None:
             continue
         value = meta.get(key)
         if neutral is None or value is None or float(value) != neutral:
-            raise meta.refuse(f"{meta.arch}.{key} = {value!r} (for {meta.arch})")
+            raise meta.refuse(f"{meta.arch}.{key} = {value!r}")
 
 
 def _check_head_dims(meta: _Meta, head_dim: int, partial_rotary: bool) -> None:
@@ -401,7 +400,7 @@ def _moe_fields(meta: _Meta, fields: dict[str, Any]) -> None:
     experts = names[f"blk.{first}.ffn_gate_exps.weight"].shape  # [E, moe_intermediate, hidden]
     cfg = fields["hf_config"]
     cfg["num_experts"] = int(meta.get("expert_count", experts[0]))
-    cfg["num_experts_per_tok"] = int(meta.get("expert_used_count"))
+    cfg["num_experts_per_tok"] = int(meta.required("expert_used_count"))
     cfg["moe_intermediate_size"] = int(meta.get("expert_feed_forward_length", experts[1]))
     cfg["norm_topk_prob"] = bool(meta.get("expert_weights_norm", meta.arch == "qwen3moe"))
     cfg["mlp_only_layers"] = [i for i in range(layers) if i not in moe_layers]
