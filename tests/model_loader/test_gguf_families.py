@@ -281,3 +281,25 @@ def test_unread_model_metadata_is_refused(tmp_path, family, metadata, message):
     path = _rewrite(tmp_path, family, **metadata)
     with pytest.raises(ValueError, match=message):
         load_model_config(path)
+
+
+def test_every_gguf_family_is_a_llama_cpp_architecture_we_run_natively():
+    """Each entry names an architecture llama.cpp defines (gguf's MODEL_ARCH_NAMES) and a native registry
+    entry, and maps every per-layer tensor llama.cpp's table lists for it: the only ones left are
+    Mixtral-style experts in a llama file (refused by their expert_count) and the rope tensors the config
+    reads (Phi-3's longrope factors) or refuses (rope_freqs)."""
+    import gguf
+
+    from tokenos.model_loader.gguf_loader import _EXPERT_NAMES, _GLOBAL_NAMES, GGUF_FAMILIES
+    from tokenos.models.registry import ARCHITECTURES
+
+    arches = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+    assert set(GGUF_FAMILIES) >= set(GGUF_ARCH.values())
+    for name, family in GGUF_FAMILIES.items():
+        assert name in arches and family.architecture in ARCHITECTURES, name
+        listed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arches[name]]}
+        layer = {n.removeprefix("blk.{bid}.") for n in listed if n.startswith("blk.")}
+        unmapped = layer - set(family.layer_names) - set(_EXPERT_NAMES)
+        assert unmapped <= ({"attn_rot_embd", "ffn_gate_inp"} if name == "llama" else set()), name
+        rope = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
+        assert {n for n in listed if not n.startswith("blk.")} - set(_GLOBAL_NAMES) <= rope, name
