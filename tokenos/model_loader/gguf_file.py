@@ -43,7 +43,8 @@ class GGUFTensorInfo:
 
 
 class GGUFFile:
-    """``fields``: scalar and string metadata (arrays map to None); ``tensors``: in file order."""
+    """``fields``: scalar and string metadata (arrays map to None, `array` reads a scalar one on demand);
+    ``tensors``: in file order."""
 
     def __init__(self, path: str) -> None:
         with open(path, "rb") as f:
@@ -56,13 +57,29 @@ class GGUFFile:
         if version < 2:
             raise ValueError(f"{path}: GGUF version {version} is too old (need 2 or later)")
         self.fields: dict[str, Any] = {}
+        self._arrays: dict[str, int] = {}  # array key -> where its item type starts
         for _ in range(num_fields):
             key = self._read_str()
-            self.fields[key] = self._read_value(self._read("<I"))
+            value_type = self._read("<I")
+            if value_type == _ARRAY:
+                self._arrays[key] = self._pos
+            self.fields[key] = self._read_value(value_type)
         infos = [self._read_tensor_info() for _ in range(num_tensors)]
         alignment = self.fields.get("general.alignment") or DEFAULT_ALIGNMENT
         data_start = -(-self._pos // alignment) * alignment
         self.tensors = [GGUFTensorInfo(n, s, t, data_start + o) for n, s, t, o in infos]
+
+    def array(self, key: str) -> list[Any] | None:
+        """The items of array field ``key`` (scalars only; a per-layer value such as a sliding-window
+        pattern), or None where the file has no such array."""
+        pos = self._arrays.get(key)
+        if pos is None:
+            return None
+        item_type, count = struct.unpack_from("<IQ", self._map, pos)
+        if item_type not in _SCALARS:
+            raise ValueError(f"GGUF array {key!r} holds non-scalar items")
+        fmt = _SCALARS[item_type]
+        return list(struct.unpack_from(f"<{count}{fmt[1:]}", self._map, pos + 12))
 
     def close(self) -> None:
         """Unmap the file: its pages stop counting as the process's memory once the weights are copied

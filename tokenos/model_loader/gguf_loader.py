@@ -1,17 +1,36 @@
-"""GGUF checkpoints: the config from ``<arch>.*`` keys and weights dequantized to HF names.
+"""GGUF checkpoints: the config from ``<arch>.*`` keys and weights under their Hugging Face names.
 
-llama.cpp's converter renames every tensor (``blk.N.attn_q`` ...) and, for the llama
-architecture only, permutes the rows of q and k so that rotary pairs are interleaved. We
-rename back to Hugging Face names and undo that permutation, so the model code sees exactly
-what it would see from a safetensors folder.
+Every architecture llama.cpp defines and tokenos runs natively loads (`GGUF_FAMILIES`): llama, qwen2,
+qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, olmo2, granite. llama.cpp's converter renames every
+tensor (``blk.N.attn_q`` ...) and changes a few on the way; we undo each change, so the model code sees
+exactly what it would see from a safetensors folder:
+
+- the llama converter (and Granite's, its subclass) permutes the rows of q and k (weights and biases) so
+  that rotary pairs are interleaved: un-permuted;
+- Gemma's converter stores every RMSNorm weight as ``1 + w`` (transformers' GemmaRMSNorm scales by
+  ``1 + w``, llama.cpp by the stored weight): we subtract the 1 again;
+- MoE experts are stacked per projection ``[E, out, in]`` (``ffn_gate_exps`` ...): split per expert;
+- names differ per family: Gemma's ``ffn_norm`` is its pre-MLP norm, OLMo 2 / Gemma's post-norms are
+  ``post_attention_norm`` / ``post_ffw_norm``, Phi-3 keeps q/k/v and gate/up fused (``attn_qkv``,
+  ``ffn_up``).
+
+What the converter writes beyond the Llama keys goes into ``hf_config`` under transformers' names, where
+the model code reads it for a folder too: Gemma's window, layer pattern, soft caps, query scale and (Gemma
+3) sliding-layer rope base, Phi-3's partial rotary, window and longrope factors, the experts' counts and
+sizes, Granite's multipliers. What llama.cpp hardcodes instead of writing, we hardcode as it does (Gemma
+2's window 4096 and caps 50 / 30 when absent, Gemma 3's five sliding layers in six and sliding base
+10000, Gemma's 27B query scale, Qwen3-MoE's renormalized top-k). Metadata that would change the model
+and that a family does not read (soft caps or multipliers elsewhere, experts in a llama file, a non-softmax
+router, partial rotary outside Phi-3, a rope scaling other than linear / Phi-3's longrope) is refused
+with a ValueError naming the key, never run as the plain model.
 
 Quantized blocks stay quantized where our packed layout holds them (`gguf_quantized`): Q8_0 is int8 with
 one fp16 scale per 32, Q4_0 is int4 with scale d and zero -8d, Q4_1 int4 with scale d and zero m (all
 exact). The K-quants' sub-blocks map with their two-level scales multiplied out and rounded once to fp16
 (relative error 2^-11 of a scale): Q4_K is int4 per 32 with scale d * sc and zero -dmin * m, Q5_K the
 same in int8 (its values are 5 bits), Q6_K int8 per 16 with scale d * scale and values q - 32. Those
-tensors are yielded as `QuantizedTensor`s; every other block type (IQ*, Q2_K, Q3_K, ...) is dequantized
-to float32, and the load says so in one log line.
+tensors (MoE experts included, one per expert) are yielded as `QuantizedTensor`s; every other block type
+(IQ*, Q2_K, Q3_K, ...) is dequantized to float32, and the load says so in one log line.
 """
 
 from __future__ import annotations
@@ -22,6 +41,7 @@ import os
 import re
 from collections import Counter
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -32,7 +52,8 @@ from tokenos.model_loader.gguf_file import GGUFFile
 
 logger = logging.getLogger(__name__)
 
-# GGUF tensor name (without blk.N. prefix and .weight/.bias suffix) -> HF module path.
+# GGUF tensor name (without blk.N. prefix and .weight/.bias suffix) -> HF module path, as llama.cpp's
+# converter names the Llama-like blocks.
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "attn_q": "self_attn.q_proj",
@@ -46,9 +67,106 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Qwen MoE: the router, the shared expert and its gate. The experts themselves are one stacked
+# [E, out, in] tensor per projection (`_EXPERT_NAMES`), split back into one tensor per expert.
+_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
+# Gemma normalizes both sides of both sublayers: its GGUF ffn_norm is the pre-MLP norm (Llama's is the
+# post-attention one, which Gemma's GGUF calls post_attention_norm).
+_GEMMA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_OLMO2_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # stored fused, as in HF
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+@dataclass(frozen=True)
+class GGUFFamily:
+    """How llama.cpp writes one architecture, as far as loading it back needs."""
+
+    architecture: str  # the Hugging Face name our registry knows it by
+    layer_names: dict[str, str] = field(default_factory=lambda: _LAYER_NAMES)
+    # llama.cpp's LlamaModel converter (llama, granite) interleaves the rotary pairs of q / k rows.
+    permuted_qk: bool = False
+    # Gemma's converter stores every RMSNorm weight as 1 + w; our GemmaRMSNorm takes w.
+    norm_plus_one: bool = False
+    # attn_q_norm / attn_k_norm are per head (Qwen3, Gemma 3), not over all heads (OLMo 2's own).
+    per_head_qk_norm: bool = True
+    # rope.dimension_count may rotate part of each head (Phi-3's partial_rotary_factor).
+    partial_rotary: bool = False
+    # Keys of `_NEUTRAL_VALUES` (after "<arch>.") this family reads; elsewhere a value other than the
+    # neutral one is refused.
+    keys: frozenset[str] = frozenset()
+
+
+_GEMMA_KEYS = frozenset(
+    {
+        "attention.sliding_window",
+        "attention.sliding_window_pattern",
+        "attention.scale",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "rope.freq_base_swa",
+    }
+)
+_MOE_KEYS = frozenset(
+    {
+        "expert_count",
+        "expert_used_count",
+        "expert_feed_forward_length",
+        "expert_shared_feed_forward_length",
+        "expert_weights_norm",
+        "expert_gating_func",
+    }
+)
+_GRANITE_KEYS = frozenset({"attention.scale", "embedding_scale", "residual_scale", "logit_scale"})
+
+GGUF_FAMILIES: dict[str, GGUFFamily] = {
+    "llama": GGUFFamily("LlamaForCausalLM", permuted_qk=True),
+    "qwen2": GGUFFamily("Qwen2ForCausalLM"),
+    "qwen3": GGUFFamily("Qwen3ForCausalLM"),
+    "qwen2moe": GGUFFamily("Qwen2MoeForCausalLM", {**_LAYER_NAMES, **_MOE_NAMES}, keys=_MOE_KEYS),
+    "qwen3moe": GGUFFamily("Qwen3MoeForCausalLM", {**_LAYER_NAMES, **_MOE_NAMES}, keys=_MOE_KEYS),
+    "gemma2": GGUFFamily(
+        "Gemma2ForCausalLM", {**_LAYER_NAMES, **_GEMMA_NAMES}, norm_plus_one=True, keys=_GEMMA_KEYS
+    ),
+    "gemma3": GGUFFamily(
+        "Gemma3ForCausalLM", {**_LAYER_NAMES, **_GEMMA_NAMES}, norm_plus_one=True, keys=_GEMMA_KEYS
+    ),
+    "phi3": GGUFFamily("Phi3ForCausalLM", {**_LAYER_NAMES, **_PHI3_NAMES}, partial_rotary=True),
+    "olmo2": GGUFFamily("Olmo2ForCausalLM", {**_LAYER_NAMES, **_OLMO2_NAMES}, per_head_qk_norm=False),
+    "granite": GGUFFamily("GraniteForCausalLM", permuted_qk=True, keys=_GRANITE_KEYS),
+}
 # GGUF general.architecture -> the Hugging Face architecture name our registry knows it by.
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {arch: family.architecture for arch, family in GGUF_FAMILIES.items()}
+
+# Keys that change the model, with the value that leaves it as the plain decoder (None: any value does).
+# A family that does not read one refuses a file that sets it otherwise, rather than run another model.
+_NEUTRAL_VALUES: dict[str, float | None] = {
+    "attention.sliding_window_pattern": None,
+    "attention.scale": None,
+    "attn_logit_softcapping": 0.0,
+    "final_logit_softcapping": 0.0,
+    "embedding_scale": 1.0,
+    "residual_scale": 1.0,
+    "logit_scale": 1.0,
+    "expert_count": 0,
+    "expert_weights_scale": 1.0,
+    "rope.freq_base_swa": None,
+}
+_SOFTMAX_GATING = 1  # gguf.ExpertGatingFuncType.SOFTMAX
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -63,58 +181,264 @@ def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def gguf_family(arch: str | None) -> GGUFFamily:
+    """The loading rules of GGUF architecture ``arch``; ValueError naming the supported ones."""
+    if arch not in GGUF_FAMILIES:
+        raise ValueError(f"Unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_FAMILIES)}")
+    return GGUF_FAMILIES[arch]
+
+
+class _Meta:
+    """``<arch>.*`` metadata of one file, read by the key after the architecture prefix."""
+
+    def __init__(self, reader: GGUFFile, arch: str, path: str) -> None:
+        self.reader, self.arch, self.path = reader, arch, path
+        self.names = {t.name: t for t in reader.tensors}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return _field(self.reader, f"{self.arch}.{key}", default)
+
+    def required(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"{self.path}: GGUF metadata lacks {self.arch}.{key}")
+        return value
+
+    def has(self, key: str) -> bool:
+        full = f"{self.arch}.{key}"
+        return full in self.reader.fields
+
+    def refuse(self, what: str) -> ValueError:
+        return ValueError(f"{self.path}: GGUF {what} is not supported yet")
+
+
 def read_gguf_config(path: str) -> dict[str, Any]:
-    """ModelConfig fields (without dtype/max_model_len resolution) from a GGUF's metadata."""
+    """ModelConfig fields (without dtype/max_model_len resolution) from a GGUF's metadata; the family's
+    own settings (soft caps, experts, multipliers) go into ``hf_config`` under transformers' names, where
+    the model code reads them for a Hugging Face folder too."""
     reader = open_gguf(path)
     arch = _field(reader, "general.architecture")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"Unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHITECTURES)}"
-        )
-    hidden = _field(reader, f"{arch}.embedding_length")
-    heads = _field(reader, f"{arch}.attention.head_count")
-    names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ValueError(f"{path}: GGUF rope_freqs (Llama 3.1-style rope scaling) is not supported yet")
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    factor = _field(reader, f"{arch}.rope.scaling.factor")
-    unscaled = scaling == "none" or (scaling == "linear" and factor == 1)
-    if not unscaled:  # yarn / linear metadata: running it as default rope would be silently wrong
-        raise ValueError(f"{path}: GGUF {arch}.rope.scaling.type {scaling!r} is not supported yet")
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    return {
-        "architecture": GGUF_ARCHITECTURES[arch],
+    family = gguf_family(arch)
+    meta = _Meta(reader, arch, path)
+    _refuse_unread_keys(meta, family)
+    theta, scaling = _rope(meta)
+    hidden, heads = meta.required("embedding_length"), meta.required("attention.head_count")
+    head_dim = meta.get("attention.key_length", hidden // heads)
+    _check_head_dims(meta, head_dim, family.partial_rotary)
+    embd = meta.names["token_embd.weight"]
+    layers = meta.required("block_count")
+    fields = {
+        "architecture": family.architecture,
         "hidden_size": hidden,
-        "intermediate_size": _field(reader, f"{arch}.feed_forward_length"),
-        "num_hidden_layers": _field(reader, f"{arch}.block_count"),
+        "intermediate_size": meta.get("feed_forward_length"),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": _field(reader, f"{arch}.attention.head_count_kv", heads),
-        "head_dim": _field(reader, f"{arch}.attention.key_length", hidden // heads),
-        "vocab_size": _field(reader, f"{arch}.vocab_size", embd.shape[0]),
-        "rms_norm_eps": float(_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
-        "rope_theta": float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "max_position_embeddings": _field(reader, f"{arch}.context_length", 2048),
-        "tie_word_embeddings": "output.weight" not in names,
-        "attention_bias": "blk.0.attn_q.bias" in names,
-        "qk_norm": "blk.0.attn_q_norm.weight" in names,
+        "num_key_value_heads": meta.get("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "vocab_size": meta.get("vocab_size", embd.shape[0]),
+        "rms_norm_eps": float(meta.get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "max_position_embeddings": meta.get("context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in meta.names,
+        "attention_bias": "blk.0.attn_q.bias" in meta.names,
+        "qk_norm": family.per_head_qk_norm and "blk.0.attn_q_norm.weight" in meta.names,
         "sliding_window": None,
+        "layer_sliding_windows": (None,) * layers,
         "eos_token_ids": _ids(_field(reader, "tokenizer.ggml.eos_token_id")),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "gguf_file": os.path.basename(path),
+        "hf_config": {
+            "num_hidden_layers": layers,
+            "max_position_embeddings": meta.get("context_length", 2048),
+        },
     }
+    extra = _FAMILY_FIELDS.get(arch)
+    if extra is not None:
+        extra(meta, fields)
+    return fields
+
+
+def _refuse_unread_keys(meta: _Meta, family: GGUFFamily) -> None:
+    for key, neutral in _NEUTRAL_VALUES.items():
+        if key in family.keys or not meta.has(key):
+            continue
+        value = meta.get(key)
+        if neutral is None or value is None or float(value) != neutral:
+            raise meta.refuse(f"{meta.arch}.{key} = {value!r}")
+
+
+def _check_head_dims(meta: _Meta, head_dim: int, partial_rotary: bool) -> None:
+    """Value heads wider than keys, or rotary over part of a head, would run silently wrong here."""
+    value_dim = meta.get("attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise meta.refuse(f"attention.value_length {value_dim} != key_length {head_dim}")
+    rotary = meta.get("rope.dimension_count", head_dim)
+    if rotary != head_dim and not partial_rotary:
+        raise meta.refuse(f"{meta.arch}.rope.dimension_count {rotary} (partial rotary of {head_dim})")
+
+
+def _rope(meta: _Meta) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) of the full-attention layers. Linear scaling is read, and Phi-3's longrope (its
+    factor tensors, `_phi3_longrope`); every other type is refused (running it as default rope would be
+    silently wrong)."""
+    if "rope_freqs.weight" in meta.names:
+        raise meta.refuse("rope_freqs (Llama 3.1-style rope scaling)")
+    theta = float(meta.get("rope.freq_base", 10000.0))
+    if "rope_factors_long.weight" in meta.names:
+        if meta.arch != "phi3":
+            raise meta.refuse(f"rope_factors_long / rope_factors_short (longrope) for {meta.arch}")
+        return theta, _phi3_longrope(meta)
+    scaling = meta.get("rope.scaling.type", "none")
+    factor = meta.get("rope.scaling.factor")
+    if scaling == "none" or (scaling == "linear" and factor in (None, 1)):
+        return theta, None
+    if scaling == "linear":
+        return theta, {"rope_type": "linear", "factor": float(factor)}
+    raise meta.refuse(f"{meta.arch}.rope.scaling.type {scaling!r}")
 
 
 def _ids(value: int | None) -> tuple[int, ...]:
     return () if value is None else (int(value),)
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None if unknown."""
+# llama.cpp's defaults where a Gemma file leaves a key out (llama_hparams / its Gemma loaders).
+_GEMMA2_WINDOW, _GEMMA2_ATTN_CAP, _GEMMA2_FINAL_CAP = 4096, 50.0, 30.0
+_GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+_GEMMA3_SWA_THETA = 10000.0
+# Gemma's 27B models scale queries by (hidden / heads) ** -0.5, the others by head_dim ** -0.5; llama.cpp
+# tells them apart by their layer count, since the converter writes no scale.
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_fields(meta: _Meta, fields: dict[str, Any]) -> None:
+    """Sliding layers, softmax scale, soft caps and (Gemma 3) the sliding layers' own rotary base."""
+    arch, layers, cfg = meta.arch, fields["num_hidden_layers"], fields["hf_config"]
+    window = meta.get("attention.sliding_window", _GEMMA2_WINDOW if arch == "gemma2" else None) or None
+    sliding = _gemma_sliding_layers(meta, layers) if window else [False] * layers
+    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    fields["sliding_window"] = window
+    fields["layer_sliding_windows"] = tuple(window if s else None for s in sliding)
+    cfg["sliding_window"] = window
+    cfg["query_pre_attn_scalar"] = _gemma_query_scalar(meta, fields)
+    cfg["hidden_activation"] = "gelu_pytorch_tanh"
+    attn_cap = meta.get("attn_logit_softcapping", _GEMMA2_ATTN_CAP if arch == "gemma2" else None)
+    final_cap = meta.get("final_logit_softcapping", _GEMMA2_FINAL_CAP if arch == "gemma2" else None)
+    cfg["attn_logit_softcapping"] = float(attn_cap) if attn_cap else None
+    cfg["final_logit_softcapping"] = float(final_cap) if final_cap else None
+    if arch == "gemma3":
+        full = {"rope_theta": fields["rope_theta"], **(fields["rope_scaling"] or {"rope_type": "default"})}
+        swa_theta = float(meta.get("rope.freq_base_swa", _GEMMA3_SWA_THETA))
+        cfg["rope_parameters"] = {
+            "full_attention": full,
+            "sliding_attention": {"rope_type": "default", "rope_theta": swa_theta},
+        }
+
+
+def _gemma_sliding_layers(meta: _Meta, layers: int) -> list[bool]:
+    """Which layers slide: the file's pattern (a period, or one flag per layer), else llama.cpp's default
+    period; a period p makes every layer but each p-th slide."""
+    key = f"{meta.arch}.attention.sliding_window_pattern"
+    flags = meta.reader.array(key)
+    if flags is not None:
+        if len(flags) != layers:
+            raise ValueError(f"{meta.path}: GGUF {key} has {len(flags)} entries for {layers} layers")
+        return [bool(f) for f in flags]
+    period = int(meta.get("attention.sliding_window_pattern", _GEMMA_SWA_PATTERN[meta.arch]))
+    return [period == 0 or i % period < period - 1 for i in range(layers)]
+
+
+def _gemma_query_scalar(meta: _Meta, fields: dict[str, Any]) -> float:
+    scale = meta.get("attention.scale")
+    if scale:
+        return float(scale) ** -2
+    if fields["num_hidden_layers"] == _GEMMA_27B_LAYERS[meta.arch]:
+        return fields["hidden_size"] / fields["num_attention_heads"]
+    return float(fields["head_dim"])
+
+
+def _phi3_longrope(meta: _Meta) -> dict[str, Any]:
+    """Phi-3's longrope as its converter writes it: the per-dimension factors as two tensors, the original
+    context and (when it differs from 1) the attention factor it computed from the two lengths."""
+    scaling_type = meta.get("rope.scaling.type", "longrope")
+    if scaling_type not in ("longrope", "none"):
+        raise meta.refuse(f"{meta.arch}.rope.scaling.type {scaling_type!r} beside longrope factors")
+    original = int(meta.required("rope.scaling.original_context_length"))
+    factors = {
+        f"{kind}_factor": meta.reader.dequantize(meta.names[f"rope_factors_{kind}.weight"]).tolist()
+        for kind in ("long", "short")
+    }
+    scaling = {"rope_type": "longrope", **factors, "original_max_position_embeddings": original}
+    scaling["factor"] = meta.get("context_length", 2048) / original
+    attention = meta.get("rope.scaling.attn_factor")
+    if attention is not None:
+        scaling["attention_factor"] = float(attention)
+    return scaling
+
+
+def _phi3_fields(meta: _Meta, fields: dict[str, Any]) -> None:
+    """Partial rotary (``rope.dimension_count`` of a head) and one window on every layer (0: none)."""
+    rotary = meta.get("rope.dimension_count", fields["head_dim"])
+    fields["hf_config"]["partial_rotary_factor"] = rotary / fields["head_dim"]
+    window = meta.get("attention.sliding_window") or None
+    fields["sliding_window"] = window
+    fields["layer_sliding_windows"] = (window,) * fields["num_hidden_layers"]
+    fields["hf_config"]["sliding_window"] = window
+
+
+def _moe_fields(meta: _Meta, fields: dict[str, Any]) -> None:
+    """Experts from the stacked tensors and their keys; a layer without a router runs a dense MLP (HF's
+    ``mlp_only_layers``). llama.cpp renormalizes Qwen3-MoE's top-k weights and not Qwen2-MoE's."""
+    gating = meta.get("expert_gating_func", _SOFTMAX_GATING)
+    if gating != _SOFTMAX_GATING:
+        raise meta.refuse(f"{meta.arch}.expert_gating_func {gating} (only softmax)")
+    layers, names = fields["num_hidden_layers"], meta.names
+    moe_layers = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
+    if not moe_layers:
+        raise ValueError(f"{meta.path}: GGUF {meta.arch} without any expert router (ffn_gate_inp)")
+    first = moe_layers[0]
+    experts = names[f"blk.{first}.ffn_gate_exps.weight"].shape  # [E, moe_intermediate, hidden]
+    cfg = fields["hf_config"]
+    cfg["num_experts"] = int(meta.get("expert_count", experts[0]))
+    cfg["num_experts_per_tok"] = int(meta.required("expert_used_count"))
+    cfg["moe_intermediate_size"] = int(meta.get("expert_feed_forward_length", experts[1]))
+    cfg["norm_topk_prob"] = bool(meta.get("expert_weights_norm", meta.arch == "qwen3moe"))
+    cfg["mlp_only_layers"] = [i for i in range(layers) if i not in moe_layers]
+    cfg["hidden_act"] = "silu"
+    shared = names.get(f"blk.{first}.ffn_gate_shexp.weight")
+    if shared is not None:
+        cfg["shared_expert_intermediate_size"] = int(
+            meta.get("expert_shared_feed_forward_length", shared.shape[0])
+        )
+
+
+def _granite_fields(meta: _Meta, fields: dict[str, Any]) -> None:
+    """IBM's muP multipliers, written by the converter as *_scale keys."""
+    cfg = fields["hf_config"]
+    cfg["attention_multiplier"] = float(meta.get("attention.scale", fields["head_dim"] ** -0.5))
+    cfg["embedding_multiplier"] = float(meta.get("embedding_scale", 1.0))
+    cfg["residual_multiplier"] = float(meta.get("residual_scale", 1.0))
+    cfg["logits_scaling"] = float(meta.get("logit_scale", 1.0))
+
+
+_FAMILY_FIELDS = {
+    "gemma2": _gemma_fields,
+    "gemma3": _gemma_fields,
+    "phi3": _phi3_fields,
+    "qwen2moe": _moe_fields,
+    "qwen3moe": _moe_fields,
+    "granite": _granite_fields,
+}
+
+
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; None if unknown (or an
+    expert stack, which `iter_gguf_weights` splits itself)."""
     m = _BLOCK_RE.match(gguf_name)
+    names = GGUF_FAMILIES[arch].layer_names
     if m:
         layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}" if part in _LAYER_NAMES else None
+        return f"model.layers.{layer}.{names[part]}.{kind}" if part in names else None
     base, _, kind = gguf_name.rpartition(".")
     return f"{_GLOBAL_NAMES[base]}.{kind}" if base in _GLOBAL_NAMES else None
 
@@ -195,31 +519,33 @@ def _k_quantized(blocks: np.ndarray, n: int, ggml_type: int) -> QuantizedTensor:
 def iter_gguf_weights(
     path: str, num_heads: int, num_kv_heads: int, keep_quantized: bool = True
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-    """Yield (HF name, tensor) for every tensor, un-permuted: a `QuantizedTensor` for the 2-D weights
-    whose blocks stay quantized (with ``keep_quantized``), float32 for every other one."""
+    """Yield (HF name, tensor) for every tensor, as the Hugging Face checkpoint holds it: q / k rows
+    un-permuted, Gemma's norms back to w, expert stacks split per expert. A `QuantizedTensor` for the 2-D
+    weights whose blocks stay quantized (with ``keep_quantized``), float32 for every other one."""
     # A reader of its own, not open_gguf's shared one: unmapped once every tensor is copied out, so the
     # file's pages do not stay resident beside the weights made from them.
     reader = GGUFFile(path)
-    permuted = _field(reader, "general.architecture") == "llama"
+    arch = _field(reader, "general.architecture")
+    family = gguf_family(arch)
     dequantized: Counter[str] = Counter()
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        m = _BLOCK_RE.match(tensor.name)
+        if m and m.group(2) in _EXPERT_NAMES:
+            proj = _EXPERT_NAMES[m.group(2)]
+            yield from _expert_weights(reader, tensor, m.group(1), proj, keep_quantized, dequantized)
+            continue
+        name = hf_name(tensor.name, arch)
         if name is None:
             continue  # e.g. rope_freqs: not a module weight
-        if permuted and name.endswith("q_proj.weight"):
-            fix = functools.partial(unpermute_qk, n_head=num_heads)
-        elif permuted and name.endswith("k_proj.weight"):
-            fix = functools.partial(unpermute_qk, n_head=num_kv_heads)
-        else:
-            fix = None
+        fix = _row_fix(family, name, num_heads, num_kv_heads)
         quantized = gguf_quantized(reader.raw(tensor), tensor.ggml_type) if keep_quantized else None
         if quantized is not None:
             yield name, quantized if fix is None else quantized.map_rows(fix)
             continue
-        if tensor.ggml_type not in _FLOAT_TYPES:
-            dequantized[_type_name(tensor.ggml_type)] += 1
-        array = reader.dequantize(tensor)
+        array = _dense(reader, tensor, dequantized)
         array = array if fix is None else fix(array)
+        if family.norm_plus_one and tensor.name.endswith("norm.weight"):
+            array = array - np.float32(1)
         yield name, torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
     reader.close()
     if dequantized:
@@ -228,6 +554,39 @@ def iter_gguf_weights(
             "GGUF: dequantized %s tensor(s) at load (kept quantized: Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)",
             kinds,
         )
+
+
+def _row_fix(family: GGUFFamily, name: str, num_heads: int, num_kv_heads: int):
+    """The row permutation that undoes the converter's q / k interleaving (weights and biases), if any."""
+    if not family.permuted_qk:
+        return None
+    if ".q_proj." in name:
+        return functools.partial(unpermute_qk, n_head=num_heads)
+    if ".k_proj." in name:
+        return functools.partial(unpermute_qk, n_head=num_kv_heads)
+    return None
+
+
+def _dense(reader: GGUFFile, tensor: Any, dequantized: Counter[str]) -> np.ndarray:
+    if tensor.ggml_type not in _FLOAT_TYPES:
+        dequantized[_type_name(tensor.ggml_type)] += 1
+    return reader.dequantize(tensor)
+
+
+def _expert_weights(
+    reader: GGUFFile, tensor: Any, layer: str, proj: str, keep_quantized: bool, dequantized: Counter[str]
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """One stacked [E, out, in] expert tensor as the per-expert tensors of an HF checkpoint: each expert's
+    rows a `QuantizedTensor` where the block type stays quantized, else float32."""
+    names = [f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight" for e in range(tensor.shape[0])]
+    if keep_quantized and tensor.ggml_type in _KEPT_TYPES:
+        raw = reader.raw(tensor)
+        for e, name in enumerate(names):
+            yield name, gguf_quantized(raw[e], tensor.ggml_type)
+        return
+    stack = _dense(reader, tensor, dequantized)
+    for e, name in enumerate(names):
+        yield name, torch.from_numpy(np.require(stack[e], np.float32, ["C", "W"]))
 
 
 def _type_name(ggml_type: int) -> str:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tokenos.layers.linear import MergedLinear
+from tokenos.layers.quantization import QuantizedTensor
 from tokenos.models.base import CausalLM
 from tokenos.models.config import ModelConfig
 from tokenos.models.llama import DecoderModel
@@ -31,6 +32,16 @@ def _rope_settings(config: ModelConfig) -> tuple[str, float]:
     return rope_type, float(factor)
 
 
+def _split_rows(
+    loaded: torch.Tensor | QuantizedTensor, sizes: list[int]
+) -> list[torch.Tensor | QuantizedTensor]:
+    """The fused tensor's row blocks; a quantized one (a GGUF's attn_qkv / ffn_up) stays quantized."""
+    if not isinstance(loaded, QuantizedTensor):
+        return list(loaded.split(sizes, 0))
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [loaded.map_rows(lambda t, a=a, n=n: t[a : a + n]) for a, n in zip(offsets, sizes, strict=True)]
+
+
 def split_whole_on_load(module: MergedLinear) -> None:
     """Make `module` take a checkpoint tensor of the whole fused projection, split into its shards."""
     shard_ids = module.shard_ids()
@@ -39,7 +50,7 @@ def split_whole_on_load(module: MergedLinear) -> None:
         if shard:
             module.weight_loader(param, loaded, *shard)
             return
-        for shard_id, part in zip(shard_ids, loaded.split(module.output_sizes, 0), strict=True):
+        for shard_id, part in zip(shard_ids, _split_rows(loaded, module.output_sizes), strict=True):
             module.weight_loader(param, part, shard_id)
 
     for p in module.parameters():

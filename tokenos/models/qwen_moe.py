@@ -27,7 +27,7 @@ from torch import nn
 from tokenos.layers.embedding import VocabEmbedding
 from tokenos.layers.layernorm import RMSNorm
 from tokenos.layers.linear import Linear, _upcast_linear
-from tokenos.layers.quantization import ONLINE_METHODS, QuantizedWeight, quantize
+from tokenos.layers.quantization import ONLINE_METHODS, QuantizedTensor, QuantizedWeight, quantize
 from tokenos.layers.rotary import RotaryEmbedding
 from tokenos.layers.weights import PackedMapping, WeightHolder, copy_rows, default_weight_loader
 from tokenos.models.base import FUSED_QKV_GATE_UP, CausalLM, DecoderStack
@@ -86,16 +86,33 @@ class StackedExperts(nn.Module):
         gate_up.weight_loader, down.weight_loader = self._load_gate_up, self._load_down
         # Per expert, once quantized at load (`pack`): name -> [expert] -> its weight.
         self.quantized: dict[str, list[QuantizedWeight]] = {}
+        # Quantized checkpoint shards (a GGUF's expert blocks) until `pack`: name -> shard id -> tensor.
+        self._pending: dict[str, dict[int | tuple[int, int], QuantizedTensor]] = {}
         # Every slot must be filled: `missing_weights` compares the shards loaded with these.
         gate_up.shard_ids = tuple((e, half) for e in range(num_experts) for half in (0, 1))
         down.shard_ids = tuple(range(num_experts))
 
-    def _load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
+    def _load_gate_up(
+        self, param: nn.Parameter, loaded: torch.Tensor | QuantizedTensor, shard_id: tuple[int, int]
+    ) -> None:
         expert, half = shard_id
+        if isinstance(loaded, QuantizedTensor):
+            self._hold("gate_up_proj", shard_id, loaded, (self.intermediate_size, param.shape[2]))
+            return
         copy_rows(param.data[expert], loaded, half * self.intermediate_size, self.intermediate_size)
 
-    def _load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def _load_down(self, param: nn.Parameter, loaded: torch.Tensor | QuantizedTensor, shard_id: int) -> None:
+        if isinstance(loaded, QuantizedTensor):
+            self._hold("down_proj", shard_id, loaded, tuple(param.shape[1:]))
+            return
         default_weight_loader(param.data[shard_id], loaded)
+
+    def _hold(
+        self, name: str, shard_id: int | tuple[int, int], loaded: QuantizedTensor, shape: tuple[int, ...]
+    ) -> None:
+        if tuple(loaded.shape) != tuple(shape):
+            raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} does not fit {tuple(shape)}")
+        self._pending.setdefault(name, {})[shard_id] = loaded
 
     def forward(self, x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """``sum_k weights[t, k] * expert[chosen[t, k]](x[t])`` for x [T, H], chosen / weights [T, K]."""
@@ -119,6 +136,8 @@ class StackedExperts(nn.Module):
         """With online int8 / int4 (``--quantization``), every expert's weights quantized like the other
         linears' (rows are independent, so quantizing an expert's fused gate|up is quantizing each), the
         stacked dense copies dropped; otherwise nothing (the experts run ``F.linear``)."""
+        if self._pending:
+            self._pack_checkpoint_quantized()
         if quantization not in ONLINE_METHODS or self.quantized:
             return
         bits = 8 if quantization == "int8" else 4
@@ -126,6 +145,25 @@ class StackedExperts(nn.Module):
             holder = getattr(self, name)
             self.quantized[name] = [QuantizedWeight(quantize(w, bits)) for w in holder.weight.detach()]
             holder.weight = None
+
+    def _pack_checkpoint_quantized(self) -> None:
+        """Run from the checkpoint's quantized experts (gate|up stacked per expert, as `Linear` stacks
+        its shards) where every shard of a projection came quantized; a projection that came partly
+        dense runs dense, the quantized shards dequantized into it (exact, at the dense size)."""
+        pending, self._pending = self._pending, {}
+        for name, shards in pending.items():
+            holder = getattr(self, name)
+            if set(shards) == set(holder.weight.shard_ids):
+                per_expert = [
+                    [shards[(e, 0)], shards[(e, 1)]] if name == "gate_up_proj" else [shards[e]]
+                    for e in range(self.num_experts)
+                ]
+                self.quantized[name] = [QuantizedWeight(QuantizedTensor.cat(parts)) for parts in per_expert]
+                holder.weight = None
+                continue
+            loader = holder.weight.weight_loader
+            for shard_id, t in shards.items():
+                loader(holder.weight, t.dequantize(), shard_id)
 
 
 def route(
