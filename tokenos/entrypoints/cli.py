@@ -48,6 +48,7 @@ def _bench(argv: list[str]) -> int:
         "serve": "tokenos.bench.serve",
         "scheduler": "tokenos.bench.scheduler",
         "hybrid": "tokenos.bench.hybrid",
+        "families": "tokenos.bench.families",
         "kernels": "tokenos.bench.kernels",
         "structured": "tokenos.bench.structured",
     }
