@@ -139,8 +139,8 @@ def test_int8_scales_calibrated_once_from_the_first_real_forward():
 
 def test_a_warm_up_on_the_null_block_does_not_calibrate():
     """A dummy forward whose tokens all go to the null block (page 0, where padding lives) leaves the
-    scales open; so does one whose real K are all zero (zeros read back the same under any scale). The
-    next real forward calibrates from its own tokens alone."""
+    scales open; so does one whose real K and V are all zero (zeros read back the same under any scale),
+    for each of K and V. The next real forward calibrates from its own tokens alone."""
     torch.manual_seed(1)
     attn = Attention(4, 2, 16, 0.25)
     cache = allocate_kv_cache(8, 16, 2, 16, INT8)
@@ -150,7 +150,13 @@ def test_a_warm_up_on_the_null_block_does_not_calibrate():
     meta = build_attention_metadata([[1]], [0], [n], 16)
     zeros = torch.zeros(n, 2, 16)
     attn.attend(torch.randn(n, 4, 16), zeros, zeros, cache, meta)
-    assert not attn.kv_scales_calibrated
+    assert not attn.kv_scales_calibrated and attn.k_scale == 1.0
+    # Zero K beside real V: V's scale is fixed by this step (its values are written with it), K's waits.
+    v_first = torch.randn(n, 2, 16)
+    attn.attend(torch.randn(n, 4, 16), zeros, v_first, cache, build_attention_metadata([[4]], [0], [n], 16))
+    assert not attn.kv_scales_calibrated and attn.k_scale == 1.0
+    assert attn.v_scale == pytest.approx(KV_HEADROOM * v_first.abs().max().item() / INT8_MAX)
+    v_scale = attn.v_scale
     # One step mixing a null-block write with real ones: only the real tokens count.
     q = torch.randn(10, 4, 16)
     k = torch.randn(10, 2, 16)
@@ -160,6 +166,7 @@ def test_a_warm_up_on_the_null_block_does_not_calibrate():
     attn.attend(q, k, v, cache, meta)
     assert attn.kv_scales_calibrated
     assert attn.k_scale == pytest.approx(KV_HEADROOM * k[4:].abs().max().item() / INT8_MAX)
+    assert attn.v_scale == v_scale
 
 
 @pytest.mark.parametrize("calculate", [False, True])

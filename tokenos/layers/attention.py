@@ -210,6 +210,7 @@ class Attention(CacheLayer):
         # pages calibrate whatever it says. Cleared once the scales are fixed.
         self.calculate_kv_scales = False
         self.kv_scales_calibrated = False
+        self._open_scales = {"k", "v"}  # those no real value has fixed yet
 
     def get_kv_cache_spec(self, cache_config: CacheConfig, dtype: str) -> FullAttentionSpec:
         """Pages in ``cache_config.cache_dtype`` (``dtype``, the model's, when "auto")."""
@@ -278,7 +279,7 @@ class Attention(CacheLayer):
         """Fix k_scale / v_scale from this step's K and V, once, before the first real token is written
         (int8 pages always, fp8 ones with calculate_kv_scales). Only tokens bound for real pages count:
         a warm-up or padding forward writing the null block alone calibrates nothing. A step whose
-        real K or V are all zero leaves the scales open: zeros read back the same under any scale."""
+        real K (or V) are all zero leaves that scale open: zeros read back the same under any scale."""
         if self.kv_scales_calibrated or not (self.calculate_kv_scales or dtype == torch.int8):
             return
         real = meta.slot_mapping[: k.shape[0]] >= meta.block_size
@@ -286,12 +287,13 @@ class Attention(CacheLayer):
             return
         if not bool(real.all()):
             k, v = k[real], v[real]
-        k_amax, v_amax = _amax(k), _amax(v)
-        if k_amax == 0.0 or v_amax == 0.0:
-            return
-        self.k_scale = calibrated_scale(k_amax, dtype, FP8_K_SCALE_CONSTANT)
-        self.v_scale = calibrated_scale(v_amax, dtype, FP8_V_SCALE_CONSTANT)
-        self.kv_scales_calibrated = True
+        if "k" in self._open_scales and (amax := _amax(k)) > 0.0:
+            self.k_scale = calibrated_scale(amax, dtype, FP8_K_SCALE_CONSTANT)
+            self._open_scales.discard("k")
+        if "v" in self._open_scales and (amax := _amax(v)) > 0.0:
+            self.v_scale = calibrated_scale(amax, dtype, FP8_V_SCALE_CONSTANT)
+            self._open_scales.discard("v")
+        self.kv_scales_calibrated = not self._open_scales
 
     @property
     def explicit(self) -> bool:
