@@ -36,6 +36,28 @@ def test_quantize_int8_rounds_symmetrically_and_clamps():
     assert quantize_int8(torch.tensor([0.5, 1.5, 2.5]), 1.0).tolist() == [0, 2, 2]  # torch rounds half even
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_c_int8_write_matches_torch_quantize_bit_for_bit(dtype, kernel_build):
+    """The C write (one call for K and V) stores exactly what `quantize_int8` makes, rounding ties to
+    even, clamping, NaN as 0, from K and V that are strided views of one fused projection, into rows
+    of the pages in any order; other rows stay untouched."""
+    torch.manual_seed(4)
+    n, kvh, d, scale_k, scale_v = 37, 3, 48, 0.0625, 0.05  # K: exact halves (ties) in bf16 too
+    qkv = (8 * torch.randn(n, 2 * kvh * d + 5)).to(dtype)
+    k = qkv[:, : kvh * d].view(n, kvh, d)
+    v = qkv[:, kvh * d : 2 * kvh * d].view(n, kvh, d)
+    k[0, 0, :6] = torch.tensor([0.03125, 0.09375, -0.03125, float("nan"), float("inf"), -1e9]).to(dtype)
+    flat = torch.full((200, kvh, d), 99, dtype=INT8)
+    rows = torch.randperm(200)[: 2 * n]
+    cpu_kernels.kv_write_int8(k, v, flat, rows, scale_k, scale_v)
+    assert torch.equal(flat[rows[:n]], quantize_int8(k, scale_k))
+    assert torch.equal(flat[rows[n:]], quantize_int8(v, scale_v))
+    assert flat[rows[0], 0, :6].tolist() == [0, 2, 0, 0, 127, -127]  # ties to even: 0.5 -> 0, 1.5 -> 2
+    untouched = torch.ones(200, dtype=torch.bool)
+    untouched[rows] = False
+    assert (flat[untouched] == 99).all()
+
+
 @pytest.mark.parametrize("head_size", [256, 8])
 def test_c_kernel_widens_every_int8_value_exactly(head_size, kernel_build):
     """One cached token per request: softmax weight 1, so the output is that token's V row widened by

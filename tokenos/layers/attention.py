@@ -106,9 +106,10 @@ FP8_V_SCALE_CONSTANT = 100.0
 
 
 def quantize_int8(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """round(x / scale) as int8, saturating at +-127 (non-finite values clamp too: NaN becomes 0)."""
-    q = torch.nan_to_num(x.float() / scale, nan=0.0, posinf=INT8_MAX, neginf=-INT8_MAX)
-    return q.round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    """round(x / scale) as int8 (half to even), saturating at +-127, NaN as 0; x times the float32
+    reciprocal of the scale, bit for bit as the C write (`cpu_kernels.kv_write_int8`) computes it."""
+    q = x.float() * (1.0 / scale)
+    return q.round_().clamp_(-INT8_MAX, INT8_MAX).nan_to_num_(0.0).to(torch.int8)
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
@@ -144,6 +145,11 @@ def _use_c_kernel(kv_cache: torch.Tensor) -> bool:
     if kv_cache.stride()[1:] != (block_size * row, row, head_size, 1):
         return False
     return head_size <= cpu_kernels.MAX_HEAD_SIZE and cpu_kernels.load() is not None
+
+
+def _use_c_int8_write(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The C int8 write takes float32 / bf16 K and V whose rows ([KVH, D]) are contiguous."""
+    return cpu_kernels.usable(k, v) and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]
 
 
 def softcap_attention(
@@ -238,11 +244,15 @@ class Attention(CacheLayer):
         scaled = is_scaled_kv(flat.dtype)
         if scaled:
             self._maybe_calibrate(k, v, flat.dtype, meta)
-            # index_copy_ has no float8 kernel: write the bytes through uint8 views.
-            kv = torch.cat(
-                (quantize_kv(k, flat.dtype, self.k_scale), quantize_kv(v, flat.dtype, self.v_scale))
-            )
-            flat.view(torch.uint8).index_copy_(0, meta.write_rows(rows_per_block), kv.view(torch.uint8))
+            rows = meta.write_rows(rows_per_block)
+            if flat.dtype == torch.int8 and _use_c_int8_write(k, v):
+                cpu_kernels.kv_write_int8(k, v, flat, rows, self.k_scale, self.v_scale)
+            else:
+                # index_copy_ has no float8 kernel: write the bytes through uint8 views.
+                kv = torch.cat(
+                    (quantize_kv(k, flat.dtype, self.k_scale), quantize_kv(v, flat.dtype, self.v_scale))
+                )
+                flat.view(torch.uint8).index_copy_(0, rows, kv.view(torch.uint8))
         else:
             flat.index_copy_(0, meta.write_rows(rows_per_block), torch.cat((k, v)).to(flat.dtype))
         out = torch.empty_like(q)

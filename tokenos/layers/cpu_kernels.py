@@ -40,6 +40,7 @@ _SIGNATURES = {
     "rms_norm": [_P, _P, _P, _P, _P, _I64, _I, _F],
     "silu_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P, _I64, _I, _P, _I64, _I, _I, _I, _P, _P, _I64],
+    "kv_write_int8": [_P, _I64, _P, _I64, _I64, _I, _P, _P, _F, _F],
 }
 _PREFILL_SIGNATURE = [_P, _I64, _P, _I, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I64]
 _QLINEAR_SIGNATURES = {
@@ -305,6 +306,27 @@ def paged_decode(
         out.data_ptr(),
     )
     return out if v_scale == 1.0 else out.mul_(v_scale)
+
+
+def kv_write_int8(
+    k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, rows: torch.Tensor, k_scale: float, v_scale: float
+) -> None:
+    """Write round(K / k_scale) and round(V / v_scale), clamped to [-127, 127], into int8 pages: k and v
+    [n, KVH, D] float32 or bf16 with contiguous rows (any token stride); flat the pages as rows
+    [*, KVH, D] of whole-row stride; rows int64 [2n], K's rows then V's. See paged_attention.c."""
+    n, num_kv_heads, head_size = k.shape
+    _fn("kv_write_int8", k.dtype)(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        n,
+        num_kv_heads * head_size,
+        flat.data_ptr(),
+        rows.data_ptr(),
+        1.0 / k_scale,
+        1.0 / v_scale,
+    )
 
 
 @cache  # asked by every attention layer every step; the library and the CPU do not change
