@@ -128,6 +128,29 @@ def test_int8_attention_close_to_float32_and_bf16(c_kernel, window, monkeypatch)
     assert err8.mean() < 0.9 * errf8.mean(), (err8.mean(), errf8.mean())
 
 
+@pytest.mark.parametrize("padded", [False, True])
+def test_c_int8_write_fills_pages_as_the_torch_write(padded, monkeypatch):
+    """Prefill chunks and decodes through `attend` with the C int8 write and with torch's: the same page
+    bytes (padding rows of hybrid-style pages untouched) and the same outputs."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    block_size, kvh, d, num_blocks = 16, 2, 64, 50
+
+    def run(c_write: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        pages = torch.full((num_blocks, 2 * block_size + (3 if padded else 0), kvh, d), 7, dtype=INT8)
+        cache = pages[:, : 2 * block_size].view(num_blocks, 2, block_size, kvh, d)
+        assert cache.is_contiguous() != padded
+        attn = Attention(8, kvh, d, d**-0.5)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(attention, "_use_c_int8_write", lambda k, v: c_write and cpu_kernels.usable(k, v))
+            return _steps_through(cache, attn, block_size, seed=5), pages
+
+    (out_c, pages_c), (out_t, pages_t) = run(True), run(False)
+    assert torch.equal(pages_c, pages_t)
+    assert (pages_c[:, 2 * block_size :] == 7).all()
+    torch.testing.assert_close(out_c, out_t, atol=0, rtol=0)
+
+
 def _forward(attn: Attention, cache: torch.Tensor, tables, computed, scheduled, block_size, k_gain=1.0):
     """One `attend` step of random q, K (times k_gain), V over ``cache``."""
     n = sum(scheduled)

@@ -134,3 +134,25 @@ def test_int8_pool_holds_twice_the_bf16_tokens(tiny_llama, caplog):
     assert "KV cache int8 (int8 pages)" in caplog.text and "(2.0x bf16)" in caplog.text
     out = generate_greedy(llm, DENSE.prompts(2, 5, 30, seed=1), max_tokens=4)
     assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+
+
+def test_hybrid_int8_pages_beside_recurrent_states(make_checkpoint):
+    """A hybrid's int8 attention pages share the pool with recurrent states, which keep the model's
+    dtype; the C int8 write and the torch one give the same greedy tokens (padded pages, where a page's
+    rows are further apart than 2 * block_size: tests/layers/test_kv_cache_int8.py)."""
+    import torch
+
+    folder, _ = make_checkpoint("bamba")
+    prompts = [[5, 6, 7, 8, 9, 10, 11], list(range(3, 40))]
+    tokens = {}
+    for c_write in (True, False):
+        with pytest.MonkeyPatch.context() as mp:
+            if not c_write:
+                mp.setattr("tokenos.layers.attention._use_c_int8_write", lambda k, v: False)
+            llm = make_llm(folder, kv_cache_dtype="int8", max_model_len=128)
+            out = generate_greedy(llm, prompts, max_tokens=6)
+            tokens[c_write] = [o.outputs[0].token_ids for o in out]
+    caches = llm.engine.model_runner.kv_caches
+    assert all(c.dtype == torch.int8 for c in caches if isinstance(c, torch.Tensor))
+    assert all(t.dtype == torch.float32 for c in caches if isinstance(c, list) for t in c)
+    assert tokens[True] == tokens[False] and all(len(t) == 6 for t in tokens[True])
