@@ -151,6 +151,22 @@ def test_c_int8_write_fills_pages_as_the_torch_write(padded, monkeypatch):
     torch.testing.assert_close(out_c, out_t, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["softcap", "sinks"])
+def test_explicit_attention_reads_int8_pages(kind):
+    """Layers kept on the explicit torch path (Gemma 2's logit soft cap, gpt-oss's sinks) dequantize
+    int8 pages too: close to the same layer over float32 pages (bounds as the fused paths')."""
+    block_size, kvh, d = 16, 2, 64
+    outs = {}
+    for dtype in (torch.float32, INT8):
+        extra = {"logit_softcap": 20.0} if kind == "softcap" else {"sinks": torch.linspace(-1, 1, 8)}
+        attn = Attention(8, kvh, d, d**-0.5, **extra)
+        outs[dtype] = _steps_through(
+            allocate_kv_cache(50, block_size, kvh, d, dtype), attn, block_size, seed=6
+        )
+    err = (outs[INT8] - outs[torch.float32]).abs()
+    assert err.max() < 0.09 and err.mean() < 0.003, (err.max(), err.mean())
+
+
 def _forward(attn: Attention, cache: torch.Tensor, tables, computed, scheduled, block_size, k_gain=1.0):
     """One `attend` step of random q, K (times k_gain), V over ``cache``."""
     n = sum(scheduled)
