@@ -18,13 +18,15 @@ MAMBA_CACHE_MODES = ("align", "none", "all")
 MODEL_IMPL_CHOICES = ("auto", "tokenos", "vllm", "transformers")
 # --kv-cache-dtype values (vLLM's names) -> the canonical dtype name KV-cache specs carry; "auto" is
 # the model's dtype (tokenos.platform.kv_cache_dtype_name). fp8 is vLLM's alias of fp8_e4m3 (OCP e4m3fn:
-# 4 exponent bits, 3 mantissa bits, finite range +-448, no infinities).
+# 4 exponent bits, 3 mantissa bits, finite range +-448, no infinities). int8: symmetric integers in
+# [-127, 127] times a per-layer scale calibrated from the first real forward (tokenos.layers.attention).
 KV_CACHE_DTYPES: dict[str, str | None] = {
     "auto": None,
     "bfloat16": "bfloat16",
     "float32": "float32",
     "fp8": "float8_e4m3fn",
     "fp8_e4m3": "float8_e4m3fn",
+    "int8": "int8",
 }
 KV_CACHE_DTYPE_CHOICES = tuple(KV_CACHE_DTYPES)
 
@@ -93,9 +95,12 @@ class CacheConfig:
     # turn. It costs no memory: the request's last running page is published instead of freed.
     mamba_checkpoint_at_end: bool = True
     # The dtype of attention pages (vLLM's --kv-cache-dtype): "auto" (the model's), "bfloat16",
-    # "float32", or "fp8" / "fp8_e4m3" (one byte per value, about twice the tokens of bf16). Recurrent
-    # states of hybrid models keep their own dtype whatever this says.
+    # "float32", "fp8" / "fp8_e4m3" or "int8" (one byte per value, about twice the tokens of bf16).
+    # Recurrent states of hybrid models keep their own dtype whatever this says.
     cache_dtype: str = "auto"
+    # vLLM's --calculate-kv-scales: fp8 pages take per-layer scales measured on the first real forward
+    # instead of 1.0. int8 pages always do (a scale of 1.0 would round every value to an integer).
+    calculate_kv_scales: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -103,6 +108,8 @@ class CacheConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPE_CHOICES}, got {self.cache_dtype!r}."
             )
+        if not isinstance(self.calculate_kv_scales, bool):
+            raise ValueError(f"calculate_kv_scales must be a bool, got {self.calculate_kv_scales!r}.")
         if self.hash_algo not in HASH_ALGOS:
             raise ValueError(f"hash_algo must be one of {HASH_ALGOS}, got {self.hash_algo!r}.")
         if self.mamba_cache_mode not in MAMBA_CACHE_MODES:

@@ -21,8 +21,9 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "half": torch.float16,
-    # KV-cache pages only (--kv-cache-dtype fp8 / fp8_e4m3): no layer computes in it.
+    # KV-cache pages only (--kv-cache-dtype fp8 / fp8_e4m3 / int8): no layer computes in them.
     "float8_e4m3fn": torch.float8_e4m3fn,
+    "int8": torch.int8,
 }
 
 
@@ -54,6 +55,12 @@ def kv_cache_dtype_name(cache_dtype: str, model_dtype: str) -> str:
 def is_fp8(dtype: torch.dtype) -> bool:
     """Whether pages of this dtype hold float8 e4m3 values (stored scaled, read back times a scale)."""
     return dtype == torch.float8_e4m3fn
+
+
+def is_scaled_kv(dtype: torch.dtype) -> bool:
+    """Whether attention pages of this dtype hold K / k_scale and V / v_scale (fp8 e4m3 or int8), so
+    every reader multiplies by the layer's scales."""
+    return dtype in (torch.float8_e4m3fn, torch.int8)
 
 
 @functools.cache

@@ -22,6 +22,12 @@ def test_decode_attention_over_fp8_pages(monkeypatch):
     assert rows and all(row["kv"] == "float8_e4m3fn" and row["GB_s"] > 0 for row in rows)
 
 
+def test_decode_attention_over_int8_pages(monkeypatch):
+    monkeypatch.setattr(kernels, "timed", lambda fn, **_: (fn(), 1e-3)[1])
+    rows = kernels.run(_args("--sections", "decode", "--kv-cache-dtype", "int8"))
+    assert rows and all(row["kv"] == "int8" and row["GB_s"] > 0 for row in rows)
+
+
 def test_every_section_reports_a_positive_rate(monkeypatch):
     monkeypatch.setattr(kernels, "copy_bandwidth", lambda: 10.0)  # the real one streams 256 MiB
     monkeypatch.setattr(kernels, "gemm_peak", lambda dtype: 100.0)

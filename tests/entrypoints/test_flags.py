@@ -76,6 +76,8 @@ def test_vllm_spellings_and_flags(caplog):
         with pytest.raises(SystemExit, match="is refused"):
             parse_serve_args(refused)
     assert parse_serve_args(["--kv-cache-dtype", "fp8"]).kv_cache_dtype == "fp8"
+    int8 = parse_serve_args(["--kv-cache-dtype", "int8", "--calculate-kv-scales"])
+    assert int8.kv_cache_dtype == "int8" and int8.calculate_kv_scales is True
     with pytest.raises(SystemExit):
         parse_serve_args(["--kv-cache-dtype", "fp16x"])  # not a choice: argparse names the choices
     assert parse_serve_args(["-q", "int4"]).quantization == "int4"

@@ -19,21 +19,6 @@ from tokenos.platform import KV_CACHE_DTYPES, kv_cache_dtype_name
 FP8 = torch.float8_e4m3fn
 
 
-@pytest.fixture(params=["native", "x86-64-v3"])
-def kernel_build(request, monkeypatch):
-    """The C kernels as built for this CPU, and as the AVX2-only build (TOKENOS_KERNEL_MARCH) that CPUs
-    without AVX-512 run: the fp8 widening has a separate vector path in each."""
-    if request.param != "native":
-        flags = tuple(f"-march={request.param}" if f.startswith("-march=") else f for f in cpu_kernels.CFLAGS)
-        monkeypatch.setattr(cpu_kernels, "CFLAGS", flags)
-    cpu_kernels.load.cache_clear()
-    if cpu_kernels.load() is None:
-        pytest.skip("no C compiler: the C decode kernel could not be built")
-    yield request.param
-    monkeypatch.undo()
-    cpu_kernels.load.cache_clear()
-
-
 def test_quantize_clamps_to_the_e4m3_range():
     x = torch.tensor([0.0, 1.0, -3.3, 447.0, 500.0, -1e4, float("inf"), -float("inf"), 1e-3])
     q = quantize_fp8(x, 1.0).float()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenos.layers import cpu_kernels
-from tokenos.layers.attention import Attention
+from tokenos.layers.attention import Attention, quantize_int8
 from tokenos.layers.attention_metadata import build_attention_metadata
 
 
@@ -95,6 +95,37 @@ def test_prefill_kernel_reads_fp8_pages(heads, kv_heads, head_size, window, monk
     attn = Attention(heads, kv_heads, head_size, head_size**-0.5, sliding_window=window)
     fast = _run(attn, q, k, v, cache.clone(), tables, chunks, block_size, True, monkeypatch)
     ref = _run(attn, q.float(), k8, v8, cache.float(), tables, chunks, block_size, False, monkeypatch)
+    torch.testing.assert_close(fast, ref, atol=1.5e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_size"), [(9, 3, 64), (4, 2, 32), (8, 1, 128), (4, 2, 80)]
+)
+@pytest.mark.parametrize("window", [None, 37])
+def test_prefill_kernel_reads_int8_pages(heads, kv_heads, head_size, window, monkeypatch):
+    """int8 pages, widened to bf16 as the kernel packs them (exact) and read with the layer's scales
+    (folded into the softmax scale and the output): against float32 SDPA over the same dequantized
+    values (the fresh K/V given already through the int8 write, since the kernel reads them from the
+    pages). The scales are calibrated by the step itself, as in the engine's first forward."""
+    if not cpu_kernels.prefill_supported(heads, kv_heads, head_size):
+        pytest.skip("the C prefill kernel needs AVX512-BF16 and a supported head shape")
+    rng = random.Random(head_size + heads + (window or 0))
+    torch.manual_seed(rng.randrange(1 << 30))
+    block_size = 16
+    chunks = [(0, 17), (5, 1), (16, 16), (33, 50), (0, 300), (90, 129)]
+    tables, num_pages = _step(rng, chunks, block_size)
+    cache = torch.randint(-127, 128, (num_pages, 2, block_size, kv_heads, head_size), dtype=torch.int8)
+    q, k, v = _qkv(sum(n for _, n in chunks), heads, kv_heads, head_size)
+    attn = Attention(heads, kv_heads, head_size, head_size**-0.5, sliding_window=window)
+    fast = _run(attn, q, k, v, cache.clone(), tables, chunks, block_size, True, monkeypatch)
+    ks, vs = attn.k_scale, attn.v_scale
+    assert attn.kv_scales_calibrated and ks != 1.0
+    k8, v8 = quantize_int8(k, ks).float() * ks, quantize_int8(v, vs).float() * vs
+    ref_attn = Attention(heads, kv_heads, head_size, head_size**-0.5, sliding_window=window)
+    ref_cache = cache.float()
+    ref_cache[:, 0] *= ks
+    ref_cache[:, 1] *= vs
+    ref = _run(ref_attn, q.float(), k8, v8, ref_cache, tables, chunks, block_size, False, monkeypatch)
     torch.testing.assert_close(fast, ref, atol=1.5e-2, rtol=2e-2)
 
 

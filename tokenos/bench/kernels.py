@@ -53,18 +53,28 @@ def gemm_peak(dtype: torch.dtype, n: int = 2048) -> float:
     return 2 * n**3 / timed(lambda: a @ b) / 1e9
 
 
+# --kv-cache-dtype values with pages of their own dtype (others: the model's).
+_BENCH_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "int8": torch.int8}
+
+
 def decode_attention(batch: int, context: int, args: argparse.Namespace, dtype: torch.dtype) -> dict:
     from tokenos.layers.attention import Attention, allocate_kv_cache
     from tokenos.layers.attention_metadata import build_attention_metadata
 
     block = args.block_size
     blocks_per_req = -(-context // block)
-    kv_dtype = torch.float8_e4m3fn if args.kv_cache_dtype in ("fp8", "fp8_e4m3") else dtype
+    kv_dtype = _BENCH_KV_DTYPES.get(args.kv_cache_dtype, dtype)
     cache = allocate_kv_cache(batch * blocks_per_req + 1, block, args.kv_heads, args.head_dim, kv_dtype)
-    cache.view(torch.uint8).copy_(torch.randn(cache.shape).to(kv_dtype).view(torch.uint8))
+    values = torch.randn(cache.shape)
+    if kv_dtype == torch.int8:
+        values = (values * 32).round().clamp(-127, 127)
+    cache.view(torch.uint8).copy_(values.to(kv_dtype).view(torch.uint8))
     tables = [list(range(1 + r * blocks_per_req, 1 + (r + 1) * blocks_per_req)) for r in range(batch)]
     meta = build_attention_metadata(tables, [context - 1] * batch, [1] * batch, block)
     attn = Attention(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)
+    # Scales as a calibrated int8 layer has them (the first timed call would otherwise calibrate).
+    attn.k_scale = attn.v_scale = 1 / 32
+    attn.kv_scales_calibrated = True
     q = torch.randn(batch, args.heads, args.head_dim).to(dtype)
     k = torch.randn(batch, args.kv_heads, args.head_dim).to(dtype)
     v = torch.randn_like(k)
@@ -157,7 +167,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--intermediate", type=int, default=1536)
     parser.add_argument("--vocab", type=int, default=49152)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-dtype", default="auto", help="decode attention pages: auto or fp8")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="decode attention pages: auto, fp8 or int8")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048, 8192])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 2048])

@@ -47,8 +47,10 @@ class EngineArgs:
     mamba_checkpoint_interval: int | None = None  # recurrent checkpoint interval (None: page size)
     mamba_checkpoint_at_end: bool = True  # checkpoint the exact end of every finished request
     kv_cache_memory_bytes: int | None = None
-    # Attention pages: "auto" (the model's dtype), "bfloat16", "float32", "fp8" / "fp8_e4m3" (float8).
+    # Attention pages: "auto" (the model's dtype), "bfloat16", "float32", "fp8" / "fp8_e4m3" (float8),
+    # "int8" (scales calibrated on the first real forward).
     kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False  # fp8 pages: calibrate per-layer scales too (int8 always does)
     num_kv_blocks: int | None = None
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
@@ -120,6 +122,7 @@ class EngineArgs:
             mamba_checkpoint_interval=self.mamba_checkpoint_interval,
             mamba_checkpoint_at_end=self.mamba_checkpoint_at_end,
             cache_dtype=self.kv_cache_dtype,
+            calculate_kv_scales=self.calculate_kv_scales,
         )
         return model_config, scheduler_config, cache_config
 

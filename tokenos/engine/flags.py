@@ -164,9 +164,17 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
     Flag(
         ("--kv-cache-dtype",),
         "kv_cache_dtype",
-        "attention KV pages: auto (the model's dtype), bfloat16, float32, or fp8 / fp8_e4m3 (float8 e4m3,"
-        " scale 1.0: about twice the tokens of bf16 in the same memory)",
+        "attention KV pages: auto (the model's dtype), bfloat16, float32, fp8 / fp8_e4m3 (float8 e4m3, scale"
+        " 1.0) or int8 (per-layer scales from the first forward): 1-byte values hold about twice the tokens"
+        " of bf16 in the same memory",
         choices=KV_CACHE_DTYPE_CHOICES,
+    ),
+    Flag(
+        ("--calculate-kv-scales",),
+        "calculate_kv_scales",
+        "fp8 KV pages: per-layer K/V scales measured on the first forward instead of 1.0 (off; int8"
+        " pages always calibrate)",
+        action=BOOL,
     ),
     Flag(
         ("--kv-cache-memory-bytes", "--kv-cache-memory"),

@@ -18,6 +18,16 @@ version converts out-of-range values (NaN in some). One scale per tensor per lay
 (vLLM's calibration-free default). The C decode kernel reads the bytes in place; the torch paths
 gather and convert to the query's dtype; the C prefill kernel widens them to bf16 as it packs K/V.
 
+INT8 pages (``--kv-cache-dtype int8``) store ``round(K / k_scale)`` clamped to [-127, 127] (symmetric, no
+zero point), read exactly like fp8 pages (widened, times the scale). A scale of 1.0 would round K to
+integers, so int8 layers always calibrate, as vLLM's ``--calculate-kv-scales`` does (which fp8 layers
+follow when ``calculate_kv_scales`` is set): the first forward that writes real tokens (any slot
+outside the null block) fixes ``k_scale`` and ``v_scale`` from its K and V before they are written,
+and they never change after, since every page of the layer is read with them. int8 takes
+``KV_HEADROOM * amax / 127``: the first batch's largest value lands at 127 / KV_HEADROOM, so later
+values up to KV_HEADROOM times larger still fit (the rest clip); fp8 takes vLLM's ``amax / 200`` for
+K and ``amax / 100`` for V (K_SCALE_CONSTANT, V_SCALE_CONSTANT: 2.2x and 4.5x headroom under 448).
+
 Attention-logit soft-capping (Gemma 2's ``attn_logit_softcapping``: ``tanh(s / cap) * cap`` on the scaled
 scores, before the mask) fits neither SDPA nor the C kernels, so a layer with ``logit_softcap`` set runs
 every decode and prefill through one explicit float32 attention over the same gathered pages
@@ -40,7 +50,7 @@ from tokenos.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from tokenos.layers import cpu_kernels
 from tokenos.layers.attention_metadata import AttentionMetadata, PrefillChunk
 from tokenos.layers.metadata import CacheLayer, ForwardBatch
-from tokenos.platform import is_fp8, kv_cache_dtype_name, native_bf16_supported
+from tokenos.platform import is_fp8, is_scaled_kv, kv_cache_dtype_name, native_bf16_supported
 
 if TYPE_CHECKING:
     from tokenos.config import CacheConfig
@@ -85,21 +95,61 @@ def quantize_fp8(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
+INT8_MAX = 127.0  # symmetric int8: -128 is never stored, so K and -K round to the same magnitude
+# int8 scale = KV_HEADROOM * amax / 127 of the calibrating batch. 2: one bit of resolution spent so that
+# later K / V up to twice the calibration batch's largest still fit (vLLM's fp8 constants leave 2.2x
+# for K and 4.5x for V under e4m3's 448, where headroom costs fp8 no relative precision).
+KV_HEADROOM = 2.0
+# vLLM's K_SCALE_CONSTANT and V_SCALE_CONSTANT: fp8 scale = amax / constant under --calculate-kv-scales.
+FP8_K_SCALE_CONSTANT = 200.0
+FP8_V_SCALE_CONSTANT = 100.0
+
+
+def quantize_int8(x: torch.Tensor, scale: float) -> torch.Tensor:
+    """round(x / scale) as int8 (half to even), saturating at +-127, NaN as 0; x times the float32
+    reciprocal of the scale, bit for bit as the C write (`cpu_kernels.kv_write_int8`) computes it."""
+    q = x.float() * (1.0 / scale)
+    return q.round_().clamp_(-INT8_MAX, INT8_MAX).nan_to_num_(0.0).to(torch.int8)
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """x as the values of scaled pages of ``dtype`` (float8 e4m3fn or int8)."""
+    return quantize_fp8(x, scale) if is_fp8(dtype) else quantize_int8(x, scale)
+
+
+def _amax(x: torch.Tensor) -> float:
+    """The largest finite |x| (0.0 if none): one inf or NaN must not make the scale useless."""
+    a = x.detach().float().abs()
+    a = a[torch.isfinite(a)]
+    return float(a.max()) if a.numel() else 0.0
+
+
+def calibrated_scale(amax: float, dtype: torch.dtype, constant: float) -> float:
+    """The per-tensor scale of pages of ``dtype`` for values up to ``amax`` (see the module notes);
+    ``constant``: vLLM's fp8 divisor."""
+    return amax / constant if is_fp8(dtype) else KV_HEADROOM * amax / INT8_MAX
+
+
 def dequantize(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
-    """Cache values as ``dtype``: fp8 pages widened and times their scale, others converted."""
+    """Cache values as ``dtype``: fp8 / int8 pages widened and times their scale, others converted."""
     x = x.to(dtype)
     return x * scale if scale != 1.0 else x
 
 
 def _use_c_kernel(kv_cache: torch.Tensor) -> bool:
     """The C decode kernel reads pages in place: it needs whole-row pages and a built library."""
-    if kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+    if kv_cache.dtype not in (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8):
         return False
     _, _, block_size, num_kv_heads, head_size = kv_cache.shape
     row = num_kv_heads * head_size
     if kv_cache.stride()[1:] != (block_size * row, row, head_size, 1):
         return False
     return head_size <= cpu_kernels.MAX_HEAD_SIZE and cpu_kernels.load() is not None
+
+
+def _use_c_int8_write(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The C int8 write takes float32 / bf16 K and V whose rows ([KVH, D]) are contiguous."""
+    return cpu_kernels.usable(k, v) and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]
 
 
 def softcap_attention(
@@ -159,9 +209,14 @@ class Attention(CacheLayer):
         self.head_size = head_size
         self.scale = scale
         self.sliding_window = sliding_window
-        # Per-tensor scales of fp8 pages (stored value = K / k_scale); unused by other dtypes.
+        # Per-tensor scales of fp8 / int8 pages (stored value = K / k_scale); unused by other dtypes.
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # vLLM's calculate_kv_scales for fp8 pages (the model runner sets it from the CacheConfig); int8
+        # pages calibrate whatever it says. Cleared once the scales are fixed.
+        self.calculate_kv_scales = False
+        self.kv_scales_calibrated = False
+        self._open_scales = {"k", "v"}  # those no real value has fixed yet
 
     def get_kv_cache_spec(self, cache_config: CacheConfig, dtype: str) -> FullAttentionSpec:
         """Pages in ``cache_config.cache_dtype`` (``dtype``, the model's, when "auto")."""
@@ -186,11 +241,18 @@ class Attention(CacheLayer):
     ) -> torch.Tensor:
         """``forward`` on an explicit page tensor and metadata."""
         flat, rows_per_block = flat_cache_view(kv_cache)
-        fp8 = is_fp8(flat.dtype)
-        if fp8:
-            # index_copy_ has no float8 kernel: write the bytes through uint8 views.
-            kv = torch.cat((quantize_fp8(k, self.k_scale), quantize_fp8(v, self.v_scale)))
-            flat.view(torch.uint8).index_copy_(0, meta.write_rows(rows_per_block), kv.view(torch.uint8))
+        scaled = is_scaled_kv(flat.dtype)
+        if scaled:
+            self._maybe_calibrate(k, v, flat.dtype, meta)
+            rows = meta.write_rows(rows_per_block)
+            if flat.dtype == torch.int8 and _use_c_int8_write(k, v):
+                cpu_kernels.kv_write_int8(k, v, flat, rows, self.k_scale, self.v_scale)
+            else:
+                # index_copy_ has no float8 kernel: write the bytes through uint8 views.
+                kv = torch.cat(
+                    (quantize_kv(k, flat.dtype, self.k_scale), quantize_kv(v, flat.dtype, self.v_scale))
+                )
+                flat.view(torch.uint8).index_copy_(0, rows, kv.view(torch.uint8))
         else:
             flat.index_copy_(0, meta.write_rows(rows_per_block), torch.cat((k, v)).to(flat.dtype))
         out = torch.empty_like(q)
@@ -198,7 +260,7 @@ class Attention(CacheLayer):
         decode_batch = meta.decode_batch() if c_kernels else None
         if decode_batch is not None:
             tokens, table, lens = decode_batch
-            k_scale, v_scale = (self.k_scale, self.v_scale) if fp8 else (1.0, 1.0)
+            k_scale, v_scale = (self.k_scale, self.v_scale) if scaled else (1.0, 1.0)
             o = cpu_kernels.paged_decode(
                 q[tokens].float(), kv_cache, table, lens, self.scale, self.sliding_window, k_scale, v_scale
             )
@@ -210,10 +272,9 @@ class Attention(CacheLayer):
             )
         if meta.prefills and self._use_c_prefill(q, kv_cache):
             chunks, table = meta.prefill_batch()
-            fp8 = is_fp8(kv_cache.dtype)
-            scale = self.scale * (self.k_scale if fp8 else 1.0)
+            scale = self.scale * (self.k_scale if scaled else 1.0)
             cpu_kernels.paged_prefill(q, kv_cache, table, chunks, scale, self.sliding_window, out)
-            if fp8 and self.v_scale != 1.0:
+            if scaled and self.v_scale != 1.0:
                 for chunk in meta.prefills:
                     out[chunk.start : chunk.end].mul_(self.v_scale)
             return out.view(q.shape[0], -1)
@@ -222,18 +283,40 @@ class Attention(CacheLayer):
             out[chunk.start : chunk.end] = self._prefill(i, chunk, q, k, v, flat, rows, meta)
         return out.view(q.shape[0], -1)
 
+    def _maybe_calibrate(
+        self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata
+    ) -> None:
+        """Fix k_scale / v_scale from this step's K and V, once, before the first real token is written
+        (int8 pages always, fp8 ones with calculate_kv_scales). Only tokens bound for real pages count:
+        a warm-up or padding forward writing the null block alone calibrates nothing. A step whose
+        real K (or V) are all zero leaves that scale open: zeros read back the same under any scale."""
+        if self.kv_scales_calibrated or not (self.calculate_kv_scales or dtype == torch.int8):
+            return
+        real = meta.slot_mapping[: k.shape[0]] >= meta.block_size
+        if not bool(real.any()):
+            return
+        if not bool(real.all()):
+            k, v = k[real], v[real]
+        if "k" in self._open_scales and (amax := _amax(k)) > 0.0:
+            self.k_scale = calibrated_scale(amax, dtype, FP8_K_SCALE_CONSTANT)
+            self._open_scales.discard("k")
+        if "v" in self._open_scales and (amax := _amax(v)) > 0.0:
+            self.v_scale = calibrated_scale(amax, dtype, FP8_V_SCALE_CONSTANT)
+            self._open_scales.discard("v")
+        self.kv_scales_calibrated = not self._open_scales
+
     @property
     def explicit(self) -> bool:
         """Whether every decode and prefill runs `softcap_attention` (soft cap or sinks: no fused path)."""
         return self.logit_softcap is not None or self.sinks is not None
 
     def _use_c_prefill(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """The C prefill kernel: bf16 queries over bf16 or fp8 pages on a CPU with AVX512-BF16, whole-row
-        pages, heads contiguous."""
+        """The C prefill kernel: bf16 queries over bf16, fp8 or int8 pages on a CPU with AVX512-BF16,
+        whole-row pages, heads contiguous."""
         return (
             not self.explicit
             and q.dtype == torch.bfloat16
-            and kv_cache.dtype in (torch.bfloat16, torch.float8_e4m3fn)
+            and kv_cache.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.int8)
             and q.stride(2) == 1
             and q.stride(1) == self.head_size
             and _use_c_kernel(kv_cache)
@@ -247,7 +330,7 @@ class Attention(CacheLayer):
         n, length = mask.shape[0], mask.shape[-1]
         kv = flat.index_select(0, rows).view(2, n, length, self.num_kv_heads, self.head_size)
         k, v = kv[0].transpose(1, 2), kv[1].transpose(1, 2)
-        if is_fp8(flat.dtype):
+        if is_scaled_kv(flat.dtype):
             k, v = dequantize(k, q.dtype, self.k_scale), dequantize(v, q.dtype, self.v_scale)
         group = self.num_heads // self.num_kv_heads
         if self.explicit:
@@ -284,7 +367,7 @@ class Attention(CacheLayer):
             keys, values = k[chunk.start : chunk.end], v[chunk.start : chunk.end]
         else:
             keys, values = flat.index_select(0, rows).view(2, chunk.seq_len, *flat.shape[1:]).unbind(0)
-            if is_fp8(flat.dtype):
+            if is_scaled_kv(flat.dtype):
                 keys, values = (
                     dequantize(keys, q.dtype, self.k_scale),
                     dequantize(values, q.dtype, self.v_scale),

@@ -40,6 +40,7 @@ _SIGNATURES = {
     "rms_norm": [_P, _P, _P, _P, _P, _I64, _I, _F],
     "silu_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P, _I64, _I, _P, _I64, _I, _I, _I, _P, _P, _I64],
+    "kv_write_int8": [_P, _I64, _P, _I64, _I64, _I, _P, _P, _F, _F],
 }
 _PREFILL_SIGNATURE = [_P, _I64, _P, _I, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I64]
 _QLINEAR_SIGNATURES = {
@@ -154,9 +155,10 @@ def load() -> ctypes.CDLL | None:
             fn = getattr(lib, f"{name}_{suffix}")
             fn.argtypes = argtypes
             fn.restype = None
-    # fp8 (e4m3fn) KV pages: decode only, so not in DTYPES (the step ops have no fp8 variant).
-    lib.paged_decode_fp8.argtypes = _SIGNATURES["paged_decode"]
-    lib.paged_decode_fp8.restype = None
+    # fp8 (e4m3fn) and int8 KV pages: decode only, so not in DTYPES (the step ops have no 8-bit variant).
+    for fn in (lib.paged_decode_fp8, lib.paged_decode_int8):
+        fn.argtypes = _SIGNATURES["paged_decode"]
+        fn.restype = None
     lib.paged_prefill_bf16.argtypes = _PREFILL_SIGNATURE
     lib.paged_prefill_bf16.restype = None
     lib.paged_prefill_supports.argtypes = [_I, _I, _I]
@@ -273,7 +275,7 @@ def paged_decode(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """q [n, H, D] float32; kv_cache [num_blocks, 2, bs, KVH, D] pages (float32, bf16 or fp8 e4m3fn);
+    """q [n, H, D] float32; kv_cache [num_blocks, 2, bs, KVH, D] pages (float32, bf16, fp8 e4m3fn or int8);
     -> [n, H, D] float32. The cache holds K / k_scale and V / v_scale: scores are linear in K and
     outputs in V, so the scales fold into the softmax scale and one multiply of the output."""
     lib = load()
@@ -285,6 +287,7 @@ def paged_decode(
     fn = {
         torch.bfloat16: lib.paged_decode_bf16,
         torch.float8_e4m3fn: lib.paged_decode_fp8,
+        torch.int8: lib.paged_decode_int8,
     }.get(kv_cache.dtype, lib.paged_decode_f32)
     fn(
         q.data_ptr(),
@@ -305,6 +308,27 @@ def paged_decode(
     return out if v_scale == 1.0 else out.mul_(v_scale)
 
 
+def kv_write_int8(
+    k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, rows: torch.Tensor, k_scale: float, v_scale: float
+) -> None:
+    """Write round(K / k_scale) and round(V / v_scale), clamped to [-127, 127], into int8 pages: k and v
+    [n, KVH, D] float32 or bf16 with contiguous rows (any token stride); flat the pages as rows
+    [*, KVH, D] of whole-row stride; rows int64 [2n], K's rows then V's. See paged_attention.c."""
+    n, num_kv_heads, head_size = k.shape
+    _fn("kv_write_int8", k.dtype)(
+        k.data_ptr(),
+        k.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        n,
+        num_kv_heads * head_size,
+        flat.data_ptr(),
+        rows.data_ptr(),
+        1.0 / k_scale,
+        1.0 / v_scale,
+    )
+
+
 @cache  # asked by every attention layer every step; the library and the CPU do not change
 def prefill_supported(num_heads: int, num_kv_heads: int, head_size: int) -> bool:
     """Whether the C prefill kernel is built for this CPU (AVX512-BF16) and takes these head shapes."""
@@ -316,6 +340,10 @@ def prefill_supported(num_heads: int, num_kv_heads: int, head_size: int) -> bool
     )
 
 
+# prefill_attention.c's kv_kind: how the pack phase reads a page element.
+_PREFILL_KV_KINDS = {torch.bfloat16: 0, torch.float8_e4m3fn: 1, torch.int8: 2}
+
+
 def paged_prefill(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -325,7 +353,7 @@ def paged_prefill(
     window: int | None,
     out: torch.Tensor,
 ) -> None:
-    """Every prefill chunk of a step at once, bf16 queries over bf16 or float8 e4m3fn pages, read in
+    """Every prefill chunk of a step at once, bf16 queries over bf16, float8 e4m3fn or int8 pages, read in
     place; see prefill_attention.c. q and out [T, H, D] (heads contiguous, any token stride); chunks int32
     [n, 3] = (first token, query length, cached tokens before it); block_table int32 [n, max_blocks]."""
     lib = load()
@@ -336,7 +364,7 @@ def paged_prefill(
         q.data_ptr(),
         q.stride(0),
         kv_cache.data_ptr(),
-        int(kv_cache.dtype == torch.float8_e4m3fn),
+        _PREFILL_KV_KINDS[kv_cache.dtype],
         kv_cache.stride(0),
         block_size,
         block_table.data_ptr(),

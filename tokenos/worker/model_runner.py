@@ -75,6 +75,10 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = model_config.max_model_len
         self.model = build_model(model_config)
+        calculate_kv_scales = getattr(cache_config, "calculate_kv_scales", False)
+        for layer in self.model.modules():
+            if isinstance(layer, Attention):  # int8 pages calibrate whatever this says
+                layer.calculate_kv_scales = calculate_kv_scales
         self.lora = LoRAManager(self.model, lora_config, model_config.dtype) if lora_config else None
         self.adapter_of: dict[str, str] = {}  # req id -> its adapter key (LoRA requests in the batch)
         # Requests whose adapter could not be loaded as they joined the batch: they fail this step.
@@ -128,7 +132,7 @@ class ModelRunner:
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         kv_dtype = getattr(self.cache_config, "cache_dtype", "auto")
         if self.model_config.dtype != torch.bfloat16 or not layers or kv_dtype == "float32":
-            return "torch SDPA"  # the C kernel reads bf16 and fp8 pages
+            return "torch SDPA"  # the C kernel reads bf16, fp8 and int8 pages
         shapes = {(m.num_heads, m.num_kv_heads, m.head_size) for m in layers}
         return "C kernel" if all(cpu_kernels.prefill_supported(*s) for s in shapes) else "torch SDPA"
 

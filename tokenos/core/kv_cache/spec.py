@@ -42,7 +42,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1}  # fp8: attention pages only
+# float8_e4m3fn and int8: attention pages only (--kv-cache-dtype fp8 / int8).
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1}
 # Raised attention block sizes are multiples of this (what paged attention kernels tile by).
 KERNEL_BLOCK_ALIGNMENT = 16
 MAMBA_CACHE_MODES = ("align", "none", "all")

@@ -18,9 +18,10 @@
  *     rounded to bf16 (as torch's flash attention does for its second GEMM) and float32 accumulation.
  *     Outputs are normalized and rounded to bf16 once, at the end.
  *
- * fp8 pages (float8 e4m3fn, kv_fp8 = 1): the pack phase widens each key and value to bf16, exactly (every
- * e4m3 value is a bf16 value), so the attend phase is the same; the caller folds the per-tensor scales
- * into the softmax scale and the output.
+ * fp8 pages (float8 e4m3fn, kv_kind = 1) and int8 pages (kv_kind = 2): the pack phase widens each key and
+ * value to bf16 through a 256-entry table, exactly (every e4m3 value and every integer in [-128, 127] is a
+ * bf16 value), so the attend phase is the same; the caller folds the per-tensor scales into the softmax
+ * scale and the output.
  *
  * Built only where the compiler targets AVX512-BF16; paged_prefill_available() says whether it was,
  * and the caller keeps torch's SDPA (its reference) otherwise. */
@@ -65,15 +66,41 @@ static void init_fp8_table(void) {
     }
 }
 
-/* Element i of a page row as bf16 bits. */
-static inline uint16_t kv_at(const void *row, int64_t i, int fp8) {
-    return fp8 ? fp8_to_bf16[((const uint8_t *)row)[i]] : ((const uint16_t *)row)[i];
+/* bf16 bits of each int8 value, indexed by its byte. */
+static uint16_t int8_to_bf16[256];
+
+static void init_int8_table(void) {
+    for (int c = 0; c < 256; c++) {
+        const float v = (float)(int8_t)(uint8_t)c;
+        uint32_t bits;
+        memcpy(&bits, &v, 4);
+        int8_to_bf16[c] = (uint16_t)(bits >> 16);
+    }
+}
+
+/* The widening table of a page kind (NULL: bf16 pages, read as they are), built on first use (before
+ * the parallel loops, so by one thread). */
+static const uint16_t *kv_table(int kv_kind) {
+    if (kv_kind == 1) {
+        if (fp8_to_bf16[0x38] == 0) init_fp8_table(); /* 0x38 is 1.0 */
+        return fp8_to_bf16;
+    }
+    if (kv_kind == 2) {
+        if (int8_to_bf16[1] == 0) init_int8_table();
+        return int8_to_bf16;
+    }
+    return 0;
+}
+
+/* Element i of a page row as bf16 bits: one byte through the table, or a bf16 element. */
+static inline uint16_t kv_at(const void *row, int64_t i, const uint16_t *table) {
+    return table ? table[((const uint8_t *)row)[i]] : ((const uint16_t *)row)[i];
 }
 
 /* Copy keys [k0, k1) of KV head kh (k0 a multiple of PF_KT) into the packed layouts, the last tile
  * padded with zeros: kp[tile][d / 2][PF_KT] pairs of dimensions, vp[tile][PF_KT / 2][d] pairs of
- * keys (uint32 = two bf16, the lower one first). Pages hold bf16 or (fp8) float8 e4m3fn elements. */
-static void pack_kv(const void *cache, int fp8, int64_t page_stride, int block_size, const int32_t *blocks,
+ * keys (uint32 = two bf16, the lower one first). Pages hold bf16 elements, or (table set) bytes. */
+static void pack_kv(const void *cache, const uint16_t *table, int64_t page_stride, int block_size, const int32_t *blocks,
                     int64_t row, int64_t v_offset, int kh, int d, int k0, int k1, int tile,
                     uint32_t *restrict kp, uint32_t *restrict vp) {
     uint32_t *kt = kp + (int64_t)tile * (d / 2) * PF_KT;
@@ -88,11 +115,11 @@ static void pack_kv(const void *cache, int fp8, int64_t page_stride, int block_s
         }
         const int64_t at = (int64_t)blocks[pos / block_size] * page_stride + (int64_t)(pos % block_size) * row
                            + (int64_t)kh * d;
-        const int width = fp8 ? 1 : 2;
+        const int width = table ? 1 : 2;
         const char *kr = (const char *)cache + at * width, *vr = kr + v_offset * width;
-        if (fp8) {
+        if (table) {
             for (int j = 0; j < d / 2; j++)
-                kt[j * PF_KT + i] = (uint32_t)kv_at(kr, 2 * j, 1) | (uint32_t)kv_at(kr, 2 * j + 1, 1) << 16;
+                kt[j * PF_KT + i] = (uint32_t)kv_at(kr, 2 * j, table) | (uint32_t)kv_at(kr, 2 * j + 1, table) << 16;
         } else {
             for (int j = 0; j < d / 2; j++) {
                 uint32_t pair;
@@ -100,7 +127,7 @@ static void pack_kv(const void *cache, int fp8, int64_t page_stride, int block_s
                 kt[j * PF_KT + i] = pair;
             }
         }
-        for (int j = 0; j < d; j++) vi[2 * j] = kv_at(vr, j, fp8);
+        for (int j = 0; j < d; j++) vi[2 * j] = kv_at(vr, j, table);
     }
 }
 
@@ -265,12 +292,12 @@ static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
 /* chunks: int32 [num_chunks][3] = (first token in q/out, query length, tokens cached before it);
  * block_table: int32 [num_chunks][max_blocks]. q and out: [tokens, num_heads, head_size] bf16 with
  * token strides q_stride / out_stride (elements), heads contiguous. */
-void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, int kv_fp8, int64_t page_stride,
+void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, int kv_kind, int64_t page_stride,
                         int block_size, const int32_t *block_table, int max_blocks, const int32_t *chunks,
                         int num_chunks, int num_heads, int num_kv_heads, int head_size, float scale,
                         int window, uint16_t *out, int64_t out_stride) {
     const int g = num_heads / num_kv_heads, d = head_size;
-    if (kv_fp8 && fp8_to_bf16[0x38] == 0) init_fp8_table(); /* 0x38 is 1.0 */
+    const uint16_t *table = kv_table(kv_kind);
     const int64_t row = (int64_t)num_kv_heads * d, v_offset = (int64_t)block_size * row;
     /* Packed K/V per (chunk, KV head): tiles of [PF_KT * d] uint32 for K and for V. */
     int64_t *tile0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));
@@ -294,7 +321,7 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
         while (tile0[c + 1] <= gt) c++;
         const int qlen = chunks[3 * c + 1], ctx = chunks[3 * c + 2];
         const int64_t base = (tile0[c] * num_kv_heads + (int64_t)kh * (tile0[c + 1] - tile0[c])) * tile_elems;
-        pack_kv(cache, kv_fp8, page_stride, block_size, block_table + (int64_t)c * max_blocks, row, v_offset, kh, d,
+        pack_kv(cache, table, page_stride, block_size, block_table + (int64_t)c * max_blocks, row, v_offset, kh, d,
                 key_base(ctx, window), ctx + qlen, (int)(gt - tile0[c]), kp + base, vp + base);
     }
     const int64_t items = item0[num_chunks];
@@ -327,11 +354,11 @@ int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size) {
     (void)num_heads; (void)num_kv_heads; (void)head_size;
     return 0;
 }
-void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, int kv_fp8, int64_t page_stride,
+void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, int kv_kind, int64_t page_stride,
                         int block_size, const int32_t *block_table, int max_blocks, const int32_t *chunks,
                         int num_chunks, int num_heads, int num_kv_heads, int head_size, float scale,
                         int window, uint16_t *out, int64_t out_stride) {
-    (void)q; (void)q_stride; (void)cache; (void)page_stride; (void)block_size; (void)block_table;
+    (void)q; (void)q_stride; (void)cache; (void)kv_kind; (void)page_stride; (void)block_size; (void)block_table;
     (void)max_blocks; (void)chunks; (void)num_chunks; (void)num_heads; (void)num_kv_heads;
     (void)head_size; (void)scale; (void)window; (void)out; (void)out_stride;
     abort(); /* the caller checks paged_prefill_available() first */
