@@ -118,3 +118,13 @@ def test_gguf_rope_scaling_is_refused(tmp_path):
     writer.close()
     with pytest.raises(ValueError, match="llama.rope.scaling.type 'yarn' is not supported"):
         read_gguf_config(path)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn", torch.int8])
+def test_page_and_weight_dtypes_are_not_model_dtypes(dtype):
+    """8-bit names are KV pages (--kv-cache-dtype) or weights (--quantization), never the compute dtype."""
+    from tokenos.models.config import resolve_dtype
+
+    with pytest.raises(ValueError, match="not a model dtype.*--kv-cache-dtype"):
+        resolve_dtype(dtype)
+    assert resolve_dtype("float16") == torch.float16 and resolve_dtype(torch.bfloat16) == torch.bfloat16

@@ -84,11 +84,20 @@ def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``"auto"``: bfloat16 on a CPU with native bf16 (AVX512-BF16 / AMX), whatever the checkpoint
     stores (float32, float16, or GGUF's quantized blocks); float32 where bf16 arithmetic is emulated,
     since it runs several times slower there (as vLLM's CPU backend chooses)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype != "auto":
-        return torch_dtype(dtype)
-    return torch.bfloat16 if native_bf16_supported() else torch.float32
+    if dtype == "auto":
+        return torch.bfloat16 if native_bf16_supported() else torch.float32
+    resolved = dtype if isinstance(dtype, torch.dtype) else torch_dtype(dtype)
+    if resolved not in MODEL_DTYPES:
+        # fp8 / int8 name KV-cache pages (--kv-cache-dtype) or weight quantization (--quantization).
+        raise ValueError(
+            f"dtype {dtype_name(resolved)!r} is not a model dtype: use auto, bfloat16, float16 or float32 "
+            "(8-bit KV pages are --kv-cache-dtype; 8-bit weights, --quantization int8)."
+        )
+    return resolved
+
+
+# The dtypes a model computes in.
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def resolve_quantization(requested: str | None, gguf: bool, hf_config: dict[str, Any]) -> str | None:
