@@ -336,6 +336,8 @@ DEFINE_ALL(pv_bf16dp, DEFINE_PV_DP_, uint16_t, load16_bf16)
 
 #define FN_TABLE(NAME, PREFIX)                                                                    \
 static __attribute__((unused)) void *NAME(int g, int dv) {                                        \
+    /* dv * 8 + g is one key per (g, dv) only for g < 8: a group of 20 with dv 2 read as (4, 4). */   \
+    if (g < 1 || g > 4) return 0;                                                                 \
     switch (dv * 8 + g) {                                                                         \
     case 4 * 8 + 1: return (void *)PREFIX##_1_4;  case 4 * 8 + 2: return (void *)PREFIX##_2_4;    \
     case 4 * 8 + 3: return (void *)PREFIX##_3_4;  case 4 * 8 + 4: return (void *)PREFIX##_4_4;    \
