@@ -36,13 +36,13 @@ _I = ctypes.c_int
 _I64 = ctypes.c_int64
 _F = ctypes.c_float
 _SIGNATURES = {
-    "paged_decode": [_P, _P, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P],
+    "paged_decode": [_P, _P, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _F, _P],
     "rms_norm": [_P, _P, _P, _P, _P, _I64, _I, _F],
     "silu_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P, _I64, _I, _P, _I64, _I, _I, _I, _P, _P, _I64],
     "kv_write_int8": [_P, _I64, _P, _I64, _I64, _I, _P, _P, _F, _F],
 }
-_PREFILL_SIGNATURE = [_P, _I64, _P, _I, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I64]
+_PREFILL_SIGNATURE = [_P, _I64, _P, _I, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I64, _F, _P]
 _QLINEAR_SIGNATURES = {
     "qgemm_bf16_desc": [_P, _P, _I64, _I64, _P, _I64, _I],
     "qgemm_f32_desc": [_P, _P, _I64, _I64, _P, _I64],
@@ -274,10 +274,15 @@ def paged_decode(
     window: int | None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [n, H, D] float32; kv_cache [num_blocks, 2, bs, KVH, D] pages (float32, bf16, fp8 e4m3fn or int8);
     -> [n, H, D] float32. The cache holds K / k_scale and V / v_scale: scores are linear in K and
-    outputs in V, so the scales fold into the softmax scale and one multiply of the output."""
+    outputs in V, so the scales fold into the softmax scale and one multiply of the output (the soft cap
+    applies to the scaled score, so it is unaffected). ``softcap``: cap * tanh(score / cap) (None: off);
+    ``sinks`` [H]: a logit per query head joining its softmax sum with no value (None: none)."""
+    sinks = _sinks_arg(sinks, q.shape[1])
     lib = load()
     assert lib is not None
     n, num_heads, head_size = q.shape
@@ -304,8 +309,21 @@ def paged_decode(
         scale * k_scale,
         window or 0,
         out.data_ptr(),
+        softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
     )
     return out if v_scale == 1.0 else out.mul_(v_scale)
+
+
+def _sinks_arg(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | None:
+    """Sinks as the kernels read them: num_heads contiguous float32 logits (kept alive by the caller's
+    reference for the call)."""
+    if sinks is None:
+        return None
+    sinks = sinks.detach().reshape(-1).to(torch.float32).contiguous()
+    if sinks.numel() != num_heads:
+        raise ValueError(f"{sinks.numel()} sinks for {num_heads} query heads")
+    return sinks
 
 
 def kv_write_int8(
@@ -352,10 +370,14 @@ def paged_prefill(
     scale: float,
     window: int | None,
     out: torch.Tensor,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Every prefill chunk of a step at once, bf16 queries over bf16, float8 e4m3fn or int8 pages, read in
     place; see prefill_attention.c. q and out [T, H, D] (heads contiguous, any token stride); chunks int32
-    [n, 3] = (first token, query length, cached tokens before it); block_table int32 [n, max_blocks]."""
+    [n, 3] = (first token, query length, cached tokens before it); block_table int32 [n, max_blocks].
+    ``softcap`` and ``sinks`` as in `paged_decode`."""
+    sinks = _sinks_arg(sinks, q.shape[1])
     lib = load()
     assert lib is not None
     _, num_heads, head_size = q.shape
@@ -378,4 +400,6 @@ def paged_prefill(
         window or 0,
         out.data_ptr(),
         out.stride(0),
+        softcap or 0.0,
+        None if sinks is None else sinks.data_ptr(),
     )

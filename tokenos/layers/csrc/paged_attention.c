@@ -17,6 +17,9 @@
  * output) are widened the same way: exactly, by integer operations (portable path) or through
  * float16 and vcvtph2ps (AVX-512 path). int8 pages (symmetric, scales folded the same way) are widened by a
  * plain int -> float conversion (vpmovsxbd + vcvtdq2ps on AVX-512), exact.
+ * Gemma 2's attention-logit soft cap (cap > 0) bends each scaled score to cap * tanh(s / cap) before its
+ * softmax step; gpt-oss's sinks (one logit per query head, no value) join each head's softmax sum once,
+ * where it is normalized (after the split merge, so a sink counts once per request, not once per split).
  *
  * The inner loops over the head dimension are plain C written for the compiler's vectorizer: the
  * library is compiled on first use with -march=native (see tokenos/layers/cpu_kernels.py), so they
@@ -79,7 +82,7 @@ static inline float dot(const float *restrict a, const float *restrict b, int d)
 __attribute__((aligned(64)))                                                                      \
 static void NAME(const float *restrict q, const T *restrict cache, int64_t page_stride,          \
                  int block_size, const int32_t *restrict blocks, int start, int t0, int t1,       \
-                 int kh, int g, int d, int64_t row, int64_t v_offset, float scale,               \
+                 int kh, int g, int d, int64_t row, int64_t v_offset, float scale, float cap,    \
                  float *restrict o, float *restrict m, float *restrict l) {                      \
     float qs[MAX_GROUP][MAX_HEAD];                                                                \
     float s[MAX_GROUP][TILE];                                                                     \
@@ -101,6 +104,8 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
         }                                                                                         \
         for (int h = 0; h < g; h++)                                                               \
             for (int i = 0; i < n; i++) s[h][i] = dot(qs[h], kv[i], d);                           \
+        if (cap > 0.f)                                                                            \
+            for (int h = 0; h < g; h++) softcap_tile(s[h], n, cap);                               \
         for (int i = 0; i < n; i++) WIDEN(rows[i] + v_offset, kv[i], d);                          \
         for (int h = 0; h < g; h++) {                                                             \
             float mt = m[h];                                                                      \
@@ -362,12 +367,18 @@ FN_TABLE(scores_fn_bf16dp, scores_bf16dp) FN_TABLE(pv_fn_bf16dp, pv_bf16dp)
 /* One online-softmax step per head over a chunk of n tokens: the scores s[h * ss + i] (padded with
  * -inf to a multiple of 16) become, in place, probabilities against the head's new running max, and
  * the head's earlier outputs o[h * d ...] and sum are rescaled to it. With pb, the probabilities are
- * also rounded to bf16 there (padding included, as zeros) for the vdpbf16ps V products. */
-static void chunk_softmax(float *restrict s, uint16_t *restrict pb, int ss, int n, int heads, int d,
+ * also rounded to bf16 there (padding included, as zeros) for the vdpbf16ps V products. cap > 0: the
+ * scores are soft-capped first (cap * tanh(s / cap)). */
+static void chunk_softmax(float *restrict s, uint16_t *restrict pb, int ss, int n, int heads, int d, float cap,
                           float *restrict m, float *restrict l, float *restrict o) {
     const int nv = (n + 15) / 16;
+    const __m512 capv = _mm512_set1_ps(cap), inv_cap = _mm512_set1_ps(cap > 0.f ? 1.f / cap : 0.f);
     for (int h = 0; h < heads; h++) {
         float *sh = s + (int64_t)h * ss;
+        /* The cap goes on here rather than in the score kernels: one pass over scores still in L1, and the
+         * many (G, DV) score kernels stay as they are. The -inf padding stays -inf. */
+        if (cap > 0.f)
+            for (int v = 0; v < nv; v++) _mm512_storeu_ps(sh + 16 * v, softcap16(_mm512_loadu_ps(sh + 16 * v), capv, inv_cap));
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int v = 0; v < nv; v++) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sh + 16 * v));
         const float cmax = _mm512_reduce_max_ps(mx);
@@ -441,7 +452,7 @@ static inline void prefetch_rows(const char *cache, int64_t page_bytes, int bloc
 static void NAME(const float *restrict q, const T *restrict cache, int64_t page_stride,          \
                  int block_size, const int32_t *restrict blocks, int start, int t0, int t1,       \
                  int num_kv_heads, int g, int d, int64_t row, int64_t v_offset, float scale,     \
-                 float *restrict o, float *restrict m, float *restrict l) {                      \
+                 float cap, float *restrict o, float *restrict m, float *restrict l) {           \
     const int heads = num_kv_heads * g, dv = d / 16;                                              \
     const scores_##T##_fn score = (scores_##T##_fn)scores_fn_##TABLE(g, dv);                      \
     const pv_##T##_fn pv = (pv_##T##_fn)pv_fn_##TABLE(g, dv);                                     \
@@ -472,7 +483,7 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
                 score(qk, rows + tile, n, (int64_t)kh * d, scale, s + (int64_t)kh * g * ss + tile, ss); \
             }                                                                                     \
         }                                                                                         \
-        chunk_softmax(s, bf16_p ? pb : NULL, ss, nc, heads, d, m, l, os);                         \
+        chunk_softmax(s, bf16_p ? pb : NULL, ss, nc, heads, d, cap, m, l, os);                         \
         for (int tile = 0; tile < nc; tile += TILE) {                                             \
             const int n = nc - tile < TILE ? nc - tile : TILE;                                    \
             PREFETCH(T, start + c0 + tile + 2 * TILE, start + c0 + nc, v_bytes);                     \
@@ -510,10 +521,12 @@ static int whole_request_items(int group, int num_kv_heads, int d) { (void)group
 #define item_avx_int8 item_int8
 #endif
 
-/* Outputs of `heads` heads divided by their softmax sums (0 where a sum is 0: nothing visible). */
-static void normalize(float *restrict o, const float *restrict l, int heads, int d) {
+/* Outputs of `heads` heads divided by their softmax sums (0 where a sum is 0: nothing visible); with
+ * sinks (one logit per head, NULL: none), each sink joins its head's sum (see sink_factor). */
+static void normalize(float *restrict o, const float *restrict m, const float *restrict l,
+                      const float *restrict sinks, int heads, int d) {
     for (int h = 0; h < heads; h++) {
-        const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+        const float inv = sinks ? sink_factor(m[h], l[h], sinks[h]) : l[h] > 0.f ? 1.f / l[h] : 0.f;
         for (int j = 0; j < d; j++) o[(int64_t)h * d + j] *= inv;
     }
 }
@@ -531,7 +544,8 @@ static int num_splits(int n, int base_items, int threads) {
 #define DEFINE_DECODE(NAME, T, ITEM, WHOLE)                                                       \
 void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,                   \
           const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,     \
-          int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out) { \
+          int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,   \
+          float cap, const float *sinks) {                                                        \
     const int group = num_heads / num_kv_heads;                                                   \
     const int d = head_size;                                                                      \
     const int64_t row = (int64_t)num_kv_heads * head_size;                                        \
@@ -583,20 +597,24 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
         float *im = nsplit == 1 ? own_m : pm + slot, *il = nsplit == 1 ? own_l : pl + slot;       \
         if (whole)                                                                                \
             WHOLE(q + (int64_t)r * num_heads * d, cache, page_stride, block_size, blocks, start,  \
-                  t0, t1, num_kv_heads, group, d, row, v_offset, scale, io, im, il);              \
+                  t0, t1, num_kv_heads, group, d, row, v_offset, scale, cap, io, im, il);         \
         else                                                                                      \
             ITEM(q + ((int64_t)r * num_heads + h0) * d, cache, page_stride, block_size, blocks,   \
-                 start, t0, t1, kh, g, d, row, v_offset, scale, io, im, il);                      \
-        if (nsplit == 1) normalize(io, il, whole ? num_heads : g, d);                             \
+                 start, t0, t1, kh, g, d, row, v_offset, scale, cap, io, im, il);                 \
+        if (nsplit == 1) normalize(io, im, il, sinks ? sinks + h0 : NULL, whole ? num_heads : g, d); \
     }                                                                                             \
     if (total_splits == num_reqs) { free(first); return; }                                        \
-    /* Merge each request's splits: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s. */      \
+    /* Merge each request's splits: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s; a sink joins \
+     * the denominator as e^(sink - M), M raised to it if it is larger. */                        \
     _Pragma("omp parallel for schedule(static)")                                                  \
     for (int r = 0; r < num_reqs; r++) {                                                          \
         for (int h = 0; h < num_heads && first[r + 1] - first[r] > 1; h++) {                      \
             float M = -INFINITY;                                                                  \
             for (int sp = first[r]; sp < first[r + 1]; sp++)                                      \
                 if (pm[(int64_t)sp * num_heads + h] > M) M = pm[(int64_t)sp * num_heads + h];     \
+            const float sink = sinks ? sinks[h] : -INFINITY;                                      \
+            const float M0 = M; /* the splits' own max: none saw anything when it is -inf */      \
+            if (sink > M) M = sink;                                                               \
             float *restrict oh = out + ((int64_t)r * num_heads + h) * d;                          \
             memset(oh, 0, sizeof(float) * (size_t)d);                                             \
             float L = 0.f;                                                                        \
@@ -608,6 +626,7 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
                 const float *restrict os = po + slot * d;                                         \
                 for (int j = 0; j < d; j++) oh[j] += w * os[j];                                   \
             }                                                                                     \
+            if (sinks && M0 > -INFINITY) L += expf(sink - M);                                     \
             const float inv = L > 0.f ? 1.f / L : 0.f;                                            \
             for (int j = 0; j < d; j++) oh[j] *= inv;                                             \
         }                                                                                         \

@@ -23,6 +23,9 @@
  * bf16 value), so the attend phase is the same; the caller folds the per-tensor scales into the softmax
  * scale and the output.
  *
+ * Soft cap (cap > 0, Gemma 2): each tile's scaled scores become cap * tanh(s / cap) before the mask. Sinks
+ * (gpt-oss): each row's sink logit joins its softmax sum where the row is normalized.
+ *
  * Built only where the compiler targets AVX512-BF16; paged_prefill_available() says whether it was,
  * and the caller keeps torch's SDPA (its reference) otherwise. */
 #include <math.h>
@@ -156,11 +159,13 @@ static void tile_scores(const uint32_t *restrict qb, const uint32_t *restrict kt
 
 /* Online softmax over one tile for each row: keys kpos0 + [0, PF_KT) visible to row r are those in
  * [lo_r, hi_r] (lo_r/hi_r from its position and the window). Writes p as bf16 pairs and the factor
- * alpha the row's outputs are rescaled by; rows seeing no key of the tile get p = 0, alpha = 1. */
+ * alpha the row's outputs are rescaled by; rows seeing no key of the tile get p = 0, alpha = 1.
+ * cap > 0: the scores are soft-capped (cap * tanh(s / cap)) before the mask, as the models define it. */
 static void tile_softmax(const float *restrict s, const int *restrict row_pos, int rows, int kpos0,
-                         int window, float *restrict m, float *restrict l, float *restrict alpha,
+                         int window, float cap, float *restrict m, float *restrict l, float *restrict alpha,
                          uint32_t *restrict p) {
     const __m512 neg = _mm512_set1_ps(-INFINITY);
+    const __m512 capv = _mm512_set1_ps(cap), inv_cap = _mm512_set1_ps(cap > 0.f ? 1.f / cap : 0.f);
     for (int r = 0; r < rows; r++) {
         const int pos = row_pos[r];
         int lo = window > 0 ? pos - window + 1 - kpos0 : -kpos0;
@@ -174,8 +179,13 @@ static void tile_softmax(const float *restrict s, const int *restrict row_pos, i
         }
         const uint32_t bits = (uint32_t)(((uint64_t)2 << hi) - ((uint64_t)1 << lo));
         const __mmask16 k0 = (__mmask16)(bits & 0xffffu), k1 = (__mmask16)(bits >> 16);
-        const __m512 s0 = _mm512_mask_mov_ps(neg, k0, _mm512_loadu_ps(s + (int64_t)r * PF_KT));
-        const __m512 s1 = _mm512_mask_mov_ps(neg, k1, _mm512_loadu_ps(s + (int64_t)r * PF_KT + 16));
+        __m512 raw0 = _mm512_loadu_ps(s + (int64_t)r * PF_KT), raw1 = _mm512_loadu_ps(s + (int64_t)r * PF_KT + 16);
+        if (cap > 0.f) {
+            raw0 = softcap16(raw0, capv, inv_cap);
+            raw1 = softcap16(raw1, capv, inv_cap);
+        }
+        const __m512 s0 = _mm512_mask_mov_ps(neg, k0, raw0);
+        const __m512 s1 = _mm512_mask_mov_ps(neg, k1, raw1);
         const float mt = fmaxf(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
         const float a = m[r] == -INFINITY ? 0.f : expf(m[r] - mt);
         const __m512 mv = _mm512_set1_ps(mt);
@@ -251,7 +261,8 @@ typedef struct {
 /* Item (chunk c, KV head kh, query tokens [t0, t1) of the chunk). */
 static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp, const uint32_t *vp,
                         int kbase, int ctx, int start, int t0, int t1, int kh, int g, int d, float scale,
-                        int window, uint16_t *out, int64_t out_stride, pf_scratch *w) {
+                        int window, float cap, const float *sinks, uint16_t *out, int64_t out_stride,
+                        pf_scratch *w) {
     const int live = (t1 - t0) * g;
     const int rows = (live + PF_RS - 1) / PF_RS * PF_RS;
     for (int r = 0; r < rows; r++) {
@@ -276,12 +287,14 @@ static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
         const uint32_t *kt = kp + (int64_t)tile * (d / 2) * PF_KT;
         const uint32_t *vt = vp + (int64_t)tile * (PF_KT / 2) * d;
         tile_scores(w->qb, kt, rows, d, scale, w->s);
-        tile_softmax(w->s, w->pos, rows, kbase + tile * PF_KT, window, w->m, w->l, w->alpha, w->p);
+        tile_softmax(w->s, w->pos, rows, kbase + tile * PF_KT, window, cap, w->m, w->l, w->alpha, w->p);
         pv(w->p, vt, w->alpha, rows, w->o);
     }
     for (int r = 0; r < live; r++) {
         const int t = t0 + r / g, h = r % g;
-        const __m512 inv = _mm512_set1_ps(w->l[r] > 0.f ? 1.f / w->l[r] : 0.f);
+        const float f = sinks ? sink_factor(w->m[r], w->l[r], sinks[kh * g + h])
+                              : w->l[r] > 0.f ? 1.f / w->l[r] : 0.f;
+        const __m512 inv = _mm512_set1_ps(f);
         uint16_t *dst = out + (int64_t)(start + t) * out_stride + (int64_t)(kh * g + h) * d;
         for (int j = 0; j < d; j += 16)
             _mm256_storeu_si256((__m256i *)(dst + j),
@@ -291,11 +304,12 @@ static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
 
 /* chunks: int32 [num_chunks][3] = (first token in q/out, query length, tokens cached before it);
  * block_table: int32 [num_chunks][max_blocks]. q and out: [tokens, num_heads, head_size] bf16 with
- * token strides q_stride / out_stride (elements), heads contiguous. */
+ * token strides q_stride / out_stride (elements), heads contiguous. cap: the attention-logit soft cap
+ * (0: none); sinks: one float32 logit per query head joining its softmax sum (NULL: none). */
 void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, int kv_kind, int64_t page_stride,
                         int block_size, const int32_t *block_table, int max_blocks, const int32_t *chunks,
                         int num_chunks, int num_heads, int num_kv_heads, int head_size, float scale,
-                        int window, uint16_t *out, int64_t out_stride) {
+                        int window, uint16_t *out, int64_t out_stride, float cap, const float *sinks) {
     const int g = num_heads / num_kv_heads, d = head_size;
     const uint16_t *table = kv_table(kv_kind);
     const int64_t row = (int64_t)num_kv_heads * d, v_offset = (int64_t)block_size * row;
@@ -340,7 +354,7 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
             const int t0 = qt * PF_QT, t1 = t0 + PF_QT < qlen ? t0 + PF_QT : qlen;
             const int64_t base = (tile0[c] * num_kv_heads + (int64_t)kh * (tile0[c + 1] - tile0[c])) * tile_elems;
             attend_item(q, q_stride, kp + base, vp + base, key_base(ctx, window), ctx, start, t0, t1, kh, g, d,
-                        scale, window, out, out_stride, w);
+                        scale, window, cap, sinks, out, out_stride, w);
         }
         free(w);
     }
@@ -357,8 +371,8 @@ int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size) {
 void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, int kv_kind, int64_t page_stride,
                         int block_size, const int32_t *block_table, int max_blocks, const int32_t *chunks,
                         int num_chunks, int num_heads, int num_kv_heads, int head_size, float scale,
-                        int window, uint16_t *out, int64_t out_stride) {
-    (void)q; (void)q_stride; (void)cache; (void)kv_kind; (void)page_stride; (void)block_size; (void)block_table;
+                        int window, uint16_t *out, int64_t out_stride, float cap, const float *sinks) {
+    (void)cap; (void)sinks; (void)q; (void)q_stride; (void)cache; (void)kv_kind; (void)page_stride; (void)block_size; (void)block_table;
     (void)max_blocks; (void)chunks; (void)num_chunks; (void)num_heads; (void)num_kv_heads;
     (void)head_size; (void)scale; (void)window; (void)out; (void)out_stride;
     abort(); /* the caller checks paged_prefill_available() first */
