@@ -1,6 +1,6 @@
 """Attention sinks (gpt-oss): an `Attention` with ``sinks`` against a dense float64 reference over prefills,
-chunks after a cached prefix and decodes of mixed lengths, with and without a window; the C kernels never
-run for it (they have no sink), and zero-valued sinks are not the same as none (the sink still takes its
+chunks after a cached prefix and decodes of mixed lengths, with and without a window, on the torch path
+and through the C decode kernel; and zero-valued sinks are not the same as none (the sink still takes its
 exp(0) share of the denominator)."""
 
 from __future__ import annotations
@@ -46,18 +46,25 @@ def run(attn: Attention) -> dict[int, dict[str, torch.Tensor]]:
 
 
 @pytest.mark.parametrize("window", [None, 6])
-def test_sinks_match_the_dense_reference_and_skip_the_c_kernels(window, monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a layer with sinks reached a C attention kernel")
-
-    monkeypatch.setattr(cpu_kernels, "paged_decode", refuse)
-    monkeypatch.setattr(cpu_kernels, "paged_prefill", refuse)
+@pytest.mark.parametrize("c_kernels", [False, True], ids=["torch", "c"])
+def test_sinks_match_the_dense_reference(window, c_kernels, monkeypatch):
+    """Both the explicit torch path and the C decode kernel (float32 pages: the prefill kernel takes bf16
+    only, so prefills stay on the torch path here) fold the sinks as the dense reference does."""
+    calls = []
+    if c_kernels:
+        if cpu_kernels.load() is None:
+            pytest.skip("no C compiler")
+        real = cpu_kernels.paged_decode
+        monkeypatch.setattr(cpu_kernels, "paged_decode", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    else:
+        monkeypatch.setattr("tokenos.layers.attention._use_c_kernel", lambda kv_cache: False)
     sinks = torch.tensor([2.0, -1.0, 0.5, 3.0])
     attn = Attention(H, KVH, D, D**-0.5, sliding_window=window, sinks=sinks)
     assert attn.explicit
     for h in run(attn).values():
         expected = reference_with_sinks(h["q"], h["k"], h["v"], window, sinks)
         torch.testing.assert_close(h["out"].double(), expected, atol=1e-5, rtol=1e-5)
+    assert bool(calls) == c_kernels
 
 
 def test_zero_sinks_still_take_a_share():

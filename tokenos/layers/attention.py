@@ -29,14 +29,13 @@ values up to KV_HEADROOM times larger still fit (the rest clip); fp8 takes vLLM'
 K and ``amax / 100`` for V (K_SCALE_CONSTANT, V_SCALE_CONSTANT: 2.2x and 4.5x headroom under 448).
 
 Attention-logit soft-capping (Gemma 2's ``attn_logit_softcapping``: ``tanh(s / cap) * cap`` on the scaled
-scores, before the mask) fits neither SDPA nor the C kernels, so a layer with ``logit_softcap`` set runs
-every decode and prefill through one explicit float32 attention over the same gathered pages
-(`softcap_attention`); the other layers' paths are unchanged.
-
-Attention sinks (gpt-oss's per-head ``sinks``): one learned logit per query head joins every row's softmax
-denominator as an extra key with no value (softmax over ``[scores, sink]``, the sink column dropped), so a
-row's probabilities sum to less than 1. Neither SDPA nor the C kernels take it, so a layer with ``sinks``
-runs the same explicit attention.
+scores, before the mask) and attention sinks (gpt-oss's per-head ``sinks``: one learned logit per query head
+joins every row's softmax denominator as an extra key with no value, so a row's probabilities sum to less
+than 1) are taken by both C kernels: the decode kernel caps each score and folds the sinks into its final
+normalisation (after merging its splits), the prefill kernel caps each tile's scores and folds the sinks
+where it normalizes a row. SDPA takes neither, so where the C kernels do not run, a layer with either runs
+its decodes and prefills through one explicit float32 attention over the same gathered pages
+(`softcap_attention`, also the kernels' reference in the tests).
 """
 
 from __future__ import annotations
@@ -187,8 +186,8 @@ def softcap_attention(
 class Attention(CacheLayer):
     """Paged multi-head attention with GQA, an optional sliding window (in tokens), an optional
     attention-logit soft cap and optional attention sinks (``sinks`` [num_heads], owned and loaded by the
-    model's attention module); either of the last two keeps the layer on the explicit torch path,
-    `softcap_attention`."""
+    model's attention module). The C kernels take both; where they do not run (no library, float32 prefill,
+    a CPU without AVX512-BF16), either keeps the layer on the explicit torch path, `softcap_attention`."""
 
     def __init__(
         self,
@@ -256,13 +255,22 @@ class Attention(CacheLayer):
         else:
             flat.index_copy_(0, meta.write_rows(rows_per_block), torch.cat((k, v)).to(flat.dtype))
         out = torch.empty_like(q)
-        c_kernels = not self.explicit and _use_c_kernel(kv_cache)
+        c_kernels = _use_c_kernel(kv_cache)
         decode_batch = meta.decode_batch() if c_kernels else None
         if decode_batch is not None:
             tokens, table, lens = decode_batch
             k_scale, v_scale = (self.k_scale, self.v_scale) if scaled else (1.0, 1.0)
             o = cpu_kernels.paged_decode(
-                q[tokens].float(), kv_cache, table, lens, self.scale, self.sliding_window, k_scale, v_scale
+                q[tokens].float(),
+                kv_cache,
+                table,
+                lens,
+                self.scale,
+                self.sliding_window,
+                k_scale,
+                v_scale,
+                self.logit_softcap,
+                self.sinks,
             )
             out[tokens] = o.to(q.dtype)
         for i, group in enumerate(meta.decode_groups if decode_batch is None else ()):
@@ -273,7 +281,9 @@ class Attention(CacheLayer):
         if meta.prefills and self._use_c_prefill(q, kv_cache):
             chunks, table = meta.prefill_batch()
             scale = self.scale * (self.k_scale if scaled else 1.0)
-            cpu_kernels.paged_prefill(q, kv_cache, table, chunks, scale, self.sliding_window, out)
+            cpu_kernels.paged_prefill(
+                q, kv_cache, table, chunks, scale, self.sliding_window, out, self.logit_softcap, self.sinks
+            )
             if scaled and self.v_scale != 1.0:
                 for chunk in meta.prefills:
                     out[chunk.start : chunk.end].mul_(self.v_scale)
@@ -307,15 +317,15 @@ class Attention(CacheLayer):
 
     @property
     def explicit(self) -> bool:
-        """Whether every decode and prefill runs `softcap_attention` (soft cap or sinks: no fused path)."""
+        """Whether the torch fallbacks of this layer run `softcap_attention` (soft cap or sinks: SDPA takes
+        neither); the C kernels take both, so this no longer keeps a layer off them."""
         return self.logit_softcap is not None or self.sinks is not None
 
     def _use_c_prefill(self, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
         """The C prefill kernel: bf16 queries over bf16, fp8 or int8 pages on a CPU with AVX512-BF16,
         whole-row pages, heads contiguous."""
         return (
-            not self.explicit
-            and q.dtype == torch.bfloat16
+            q.dtype == torch.bfloat16
             and kv_cache.dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.int8)
             and q.stride(2) == 1
             and q.stride(1) == self.head_size
