@@ -10,8 +10,9 @@ are the reference):
   GELU (tanh), the softmax scale is ``query_pre_attn_scalar ** -0.5``, the LM head is tied;
 - ``layer_types`` alternate sliding-window and full attention (the windows come from
   `tokenos.models.config`, so the KV-cache coordinator puts the two kinds in separate groups);
-- Gemma 2 soft-caps the attention scores (``attn_logit_softcapping``, the explicit torch attention of
-  `tokenos.layers.attention`) and the final logits (``final_logit_softcapping``);
+- Gemma 2 soft-caps the attention scores (``attn_logit_softcapping``: the C attention kernels of
+  `tokenos.layers.attention`, its explicit torch attention where they do not run) and the final logits
+  (``final_logit_softcapping``);
 - Gemma 3 RMS-norms q and k per head (``1 + weight`` too) before rotary, and rotates sliding layers with
   their own base (``rope_local_base_freq``) and full layers with ``rope_theta`` and the config's scaling:
   one table per layer type, gathered once per step (`PerTypeRotary`).

@@ -3,7 +3,8 @@
 What sets it apart from `tokenos.models.llama` (transformers' ``modeling_gpt_oss`` is the reference):
 
 - every attention projection has a bias (q / k / v and o), and each query head has a learned sink logit
-  (``self_attn.sinks``) that joins its softmax denominator (`tokenos.layers.attention`'s explicit path);
+  (``self_attn.sinks``) that joins its softmax denominator (in the C attention kernels, or
+  `tokenos.layers.attention`'s explicit path);
 - ``layer_types`` alternate sliding-window and full attention (the windows come from
   `tokenos.models.config`, so the KV-cache coordinator puts the two kinds in separate groups);
 - every feed-forward is a MoE: a biased router (``mlp.router``), top-k of its logits, softmax over the k
