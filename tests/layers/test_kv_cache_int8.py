@@ -153,8 +153,9 @@ def test_c_int8_write_fills_pages_as_the_torch_write(padded, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["softcap", "sinks"])
 def test_explicit_attention_reads_int8_pages(kind):
-    """Layers kept on the explicit torch path (Gemma 2's logit soft cap, gpt-oss's sinks) dequantize
-    int8 pages too: close to the same layer over float32 pages (bounds as the fused paths')."""
+    """Layers with Gemma 2's logit soft cap or gpt-oss's sinks (the C decode kernel, the explicit torch path
+    for float32 prefills) read int8 pages too: close to the same layer over float32 pages (bounds as the
+    fused paths')."""
     block_size, kvh, d = 16, 2, 64
     outs = {}
     for dtype in (torch.float32, INT8):
