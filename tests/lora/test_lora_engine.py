@@ -101,7 +101,9 @@ def test_idle_adapters_beyond_max_cpu_loras_are_evicted_and_reloaded(setup):
     assert len(manager.loaded) == 2 and manager.registered["a0"].key in manager.loaded
 
 
-def test_an_adapter_changed_on_disk_is_refused_until_reloaded(setup, tmp_path):
+def _evicted_adapter(setup, tmp_path):
+    """An engine holding adapter "changing" (a copy of a0) registered but evicted by a1, and the call
+    that writes new weights into its folder."""
     root, base_folder, base, refs, loras = setup
     folder = str(tmp_path / "changing")
     shutil.copytree(loras["a0"].lora_path, folder)
@@ -109,7 +111,12 @@ def test_an_adapter_changed_on_disk_is_refused_until_reloaded(setup, tmp_path):
     changing = LoRARequest("changing", 9, folder)
     llm.add_lora(changing)
     llm.add_lora(loras["a1"])  # evicts "changing" (idle)
-    save_adapter(base_folder, folder, r=4, targets=ATTENTION, seed=5)  # new weights in the same folder
+    return llm, changing, lambda: save_adapter(base_folder, folder, r=4, targets=ATTENTION, seed=5)
+
+
+def test_an_adapter_changed_on_disk_is_refused_until_reloaded(setup, tmp_path):
+    llm, changing, change = _evicted_adapter(setup, tmp_path)
+    change()
     with pytest.raises(ValueError, match="changed on disk"):
         llm.generate({"prompt_token_ids": [5, 6, 7]}, _greedy(), use_tqdm=False, lora_request=changing)
     # the engine goes on serving everyone else
@@ -148,14 +155,9 @@ def test_an_adapter_that_changes_while_its_request_waits_fails_that_request_alon
     """Its files change after the request was accepted but before it runs: loading them then is refused,
     that request ends with the reason, and the rest of the batch is served."""
     root, base_folder, base, refs, loras = setup
-    folder = str(tmp_path / "changing")
-    shutil.copytree(loras["a0"].lora_path, folder)
-    llm = make_llm(base_folder, enable_lora=True, max_loras=1, max_cpu_loras=1)
-    changing = LoRARequest("changing", 9, folder)
-    llm.add_lora(changing)
-    llm.add_lora(loras["a1"])  # evicts "changing" (idle)
-    accepted_hash = manager_module.content_hash(folder)
-    save_adapter(base_folder, folder, r=4, targets=ATTENTION, seed=5)  # new weights in the same folder
+    llm, changing, change = _evicted_adapter(setup, tmp_path)
+    accepted_hash = manager_module.content_hash(changing.lora_path)
+    change()
     monkeypatch.setattr(manager_module, "content_hash", lambda path: accepted_hash)  # as checked on arrival
     prompts = DENSE.prompts(2, 5, 9, seed=23)
     outputs = llm.generate(

@@ -13,7 +13,7 @@ import logging
 
 import pytest
 
-from tests.entrypoints.llm.test_kv_cache_fp8 import _common_prefix_stats, _completions
+from tests.entrypoints.llm.test_kv_cache_fp8 import _completions, free_run_against_float32
 from tests.fixtures.llm import DENSE, generate_greedy, make_llm
 from tokenos import SamplingParams
 from tokenos.layers.attention import Attention
@@ -32,26 +32,7 @@ def test_int8_kv_tracks_float32_kv(tiny_llama, variant):
     of the float32-KV run (measured max 0.49 chunked, 0.66 prefix-hit, 0.71 preemption, the divergent
     token's own logprob included; fp8 0.42-0.52), and at least 30% of all tokens come before the first
     divergence (measured 55% chunked, 40% prefix-hit, 53% preemption; fp8 32%, 26%, 38%)."""
-    folder, _ = tiny_llama
-    prompts = DENSE.prompts(8, 1, 70, seed=5)
-    shared = DENSE.prompts(1, 50, 50, seed=7)[0]
-    prompts += [shared + tail for tail in DENSE.prompts(4, 1, 20, seed=8)]
-    kwargs = {
-        "chunked": dict(max_num_batched_tokens=24),
-        "prefix-hit": dict(),
-        "preemption": dict(num_kv_blocks=17, enable_prefix_caching=False, max_model_len=128),
-    }[variant]
-    results = {}
-    for dtype in ("float32", "int8"):
-        llm = make_llm(folder, block_size=16, kv_cache_dtype=dtype, **kwargs)
-        outputs = DENSE.run(llm, prompts)
-        if variant == "prefix-hit":
-            outputs = DENSE.run(llm, prompts)  # again: every prompt's full pages now hit
-            assert sum(o.num_cached_tokens for o in outputs) > 0
-        if variant == "preemption":
-            assert llm.get_metrics()["num_preemptions"] > 0
-        results[dtype] = _completions(outputs)
-    same, total, worst = _common_prefix_stats(results["float32"], results["int8"])
+    same, total, worst = free_run_against_float32(tiny_llama[0], "int8", variant)
     assert worst < LOGPROB_TOL, worst
     assert same >= 0.3 * total, (same, total)
 
