@@ -153,9 +153,10 @@ def run(args: argparse.Namespace) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tokenos bench families", description=__doc__.split("\n")[0])
     parser.add_argument("--families", nargs="+", default=[f for f in FAMILIES if f != "llama"])
-    parser.add_argument("--num-prompts", type=int, default=16)
+    # 32 x 128 tokens: runs of a few seconds each (a second's run swings +-20% on a shared VM).
+    parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768])
     args = parser.parse_args(argv)

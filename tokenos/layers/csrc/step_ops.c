@@ -54,26 +54,6 @@ void NAME(const T *x, const T *residual, const T *weight, T *out, T *residual_ou
     }                                                                                              \
 }
 
-/* exp(x) for any float: 2^(x log2 e) = 2^n * 2^f, a degree-6 polynomial for 2^f on [-0.5, 0.5]
- * (relative error ~2e-7). Below 2^-126 it stays at 2^-126; from 2^127.5 it is inf (n = 128 makes
- * the exponent field all ones), as expf overflows, so silu of a very negative gate is -0 as in torch. */
-static inline float exp_approx(float x) {
-    float t = x * 1.44269504088896341f;
-    t = t < -126.f ? -126.f : (t > 128.f ? 128.f : t);
-    const float fn = __builtin_rintf(t);
-    const float f = t - fn;
-    float p = 1.535336188319500e-4f;
-    p = p * f + 1.339887440266574e-3f;
-    p = p * f + 9.618437357674640e-3f;
-    p = p * f + 5.550332471162809e-2f;
-    p = p * f + 2.402264791363012e-1f;
-    p = p * f + 6.931472028550421e-1f;
-    p = p * f + 1.0f;
-    union { int32_t i; float f; } s;
-    s.i = ((int32_t)fn + 127) << 23;
-    return p * s.f;
-}
-
 /* out[r] = silu(x[r, :d]) * x[r, d:]; the silu and the product each rounded (two torch ops). */
 #define DEFINE_SILU_AND_MUL(NAME, T, LOAD, STORE, ROUND)                                          \
 void NAME(const T *x, T *out, int64_t rows, int d) {                                               \
@@ -160,21 +140,6 @@ static inline void vstore_bf16(bf16 *p, __m512 v, __mmask16 m) {
 static inline __m512 vround_f32(__m512 v) { return v; }
 static inline __m512 vround_bf16(__m512 v) { return widen16(narrow16(v)); }
 
-static inline __m512 vexp(__m512 x) { /* exp_approx on 16 lanes */
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-126.f)), _mm512_set1_ps(128.f));
-    const __m512 fn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, fn);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fn), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-}
 
 #undef DEFINE_RMS_NORM
 #undef DEFINE_SILU_AND_MUL

@@ -1,6 +1,7 @@
 /* Scalar and AVX-512 helpers shared by the C kernels (paged_attention.c, prefill_attention.c,
- * step_ops.c): bf16 <-> float32 (round to nearest even, NaN kept), a vectorizable exp for x <= 0
- * (softmax exponents), the attention-logit soft cap (tanh) and the attention-sink fold. */
+ * step_ops.c, lora.c): bf16 <-> float32 (round to nearest even, NaN kept), a vectorizable exp (and
+ * its x <= 0 form for softmax exponents), the attention-logit soft cap (tanh) and the attention-sink
+ * fold. */
 #ifndef TOKENOS_VEC_MATH_H
 #define TOKENOS_VEC_MATH_H
 #include <math.h>
@@ -20,13 +21,14 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((x.u & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
-/* exp(x) for x <= 0 (scores minus their max), vectorizable: 2^(x log2 e) = 2^n * 2^f with a
- * degree-6 polynomial for 2^f on [-0.5, 0.5] (relative error ~2e-7); x < -87 gives 0. */
-static inline float exp_le0(float x) {
+/* exp(x) for any float: 2^(x log2 e) = 2^n * 2^f, a degree-6 polynomial for 2^f on [-0.5, 0.5]
+ * (relative error ~2e-7). Below 2^-126 it stays at 2^-126; from 2^127.5 it is inf (n = 128 makes
+ * the exponent field all ones), as expf overflows, so silu of a very negative gate is -0 as in torch. */
+static inline float exp_approx(float x) {
     float t = x * 1.44269504088896341f;
-    t = t < -126.f ? -126.f : t;
-    float fn = __builtin_roundf(t);
-    float f = t - fn;
+    t = t < -126.f ? -126.f : (t > 128.f ? 128.f : t);
+    const float fn = __builtin_rintf(t);
+    const float f = t - fn;
     float p = 1.535336188319500e-4f;
     p = p * f + 1.339887440266574e-3f;
     p = p * f + 9.618437357674640e-3f;
@@ -36,7 +38,13 @@ static inline float exp_le0(float x) {
     p = p * f + 1.0f;
     union { int32_t i; float f; } s;
     s.i = ((int32_t)fn + 127) << 23;
-    float r = p * s.f;
+    return p * s.f;
+}
+
+/* exp(x) for x <= 0 (scores minus their max), vectorizable; x < -87 gives 0 (a softmax weight that
+ * small is nothing, where exp_approx would stop at 2^-126). */
+static inline float exp_le0(float x) {
+    const float r = exp_approx(x);
     return x < -87.f ? 0.f : r;
 }
 
@@ -80,11 +88,12 @@ static inline float sink_factor(float m, float l, float sink) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-/* exp of 16 lanes (x <= 0), the same polynomial as exp_tile. */
-static inline __m512 exp16(__m512 x) {
-    __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
-    __m512 fn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, fn);
+/* exp_approx on 16 lanes. */
+static inline __m512 vexp(__m512 x) {
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-126.f)), _mm512_set1_ps(128.f));
+    const __m512 fn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, fn);
     __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
@@ -92,10 +101,14 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fn), _mm512_set1_epi32(127)), 23);
-    __m512 r = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-    __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
-    return _mm512_maskz_mov_ps((__mmask16)~under, r);
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fn), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+
+/* exp_le0 on 16 lanes. */
+static inline __m512 exp16(__m512 x) {
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ);
+    return _mm512_maskz_mov_ps((__mmask16)~under, vexp(x));
 }
 
 /* softcap1 on 16 lanes: the same polynomial, quotient and -inf rule. */
