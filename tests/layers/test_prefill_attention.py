@@ -77,11 +77,9 @@ def test_prefill_kernel_matches_torch_path(heads, kv_heads, head_size, window, m
     assert (fast - ref).abs().mean() <= 1.5 * (slow - ref).abs().mean() + 1e-4
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (4, 2, 32), (8, 1, 128)])
-@pytest.mark.parametrize("window", [None, 37])
-def test_prefill_kernel_reads_fp8_pages(heads, kv_heads, head_size, window, monkeypatch):
-    """fp8 (e4m3fn) pages, widened to bf16 as the kernel packs them: against float32 SDPA over the same
-    fp8 values (the fresh K/V given already rounded to fp8, since the kernel reads them from the pages)."""
+def _eight_bit_step(heads: int, kv_heads: int, head_size: int, window: int | None):
+    """The 8-bit page tests' step (skipped where the kernel does not run): (chunks, block tables, pages,
+    block size), seeded by the shape."""
     if not cpu_kernels.prefill_supported(heads, kv_heads, head_size):
         pytest.skip("the C prefill kernel needs AVX512-BF16 and a supported head shape")
     rng = random.Random(head_size + heads + (window or 0))
@@ -89,6 +87,15 @@ def test_prefill_kernel_reads_fp8_pages(heads, kv_heads, head_size, window, monk
     block_size = 16
     chunks = [(0, 17), (5, 1), (16, 16), (33, 50), (0, 300), (90, 129)]
     tables, num_pages = _step(rng, chunks, block_size)
+    return chunks, tables, num_pages, block_size
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (4, 2, 32), (8, 1, 128)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_prefill_kernel_reads_fp8_pages(heads, kv_heads, head_size, window, monkeypatch):
+    """fp8 (e4m3fn) pages, widened to bf16 as the kernel packs them: against float32 SDPA over the same
+    fp8 values (the fresh K/V given already rounded to fp8, since the kernel reads them from the pages)."""
+    chunks, tables, num_pages, block_size = _eight_bit_step(heads, kv_heads, head_size, window)
     cache = torch.randn(num_pages, 2, block_size, kv_heads, head_size).to(torch.float8_e4m3fn)
     q, k, v = _qkv(sum(n for _, n in chunks), heads, kv_heads, head_size)
     k8, v8 = (t.float().to(torch.float8_e4m3fn).float() for t in (k, v))
@@ -107,13 +114,7 @@ def test_prefill_kernel_reads_int8_pages(heads, kv_heads, head_size, window, mon
     (folded into the softmax scale and the output): against float32 SDPA over the same dequantized
     values (the fresh K/V given already through the int8 write, since the kernel reads them from the
     pages). The scales are calibrated by the step itself, as in the engine's first forward."""
-    if not cpu_kernels.prefill_supported(heads, kv_heads, head_size):
-        pytest.skip("the C prefill kernel needs AVX512-BF16 and a supported head shape")
-    rng = random.Random(head_size + heads + (window or 0))
-    torch.manual_seed(rng.randrange(1 << 30))
-    block_size = 16
-    chunks = [(0, 17), (5, 1), (16, 16), (33, 50), (0, 300), (90, 129)]
-    tables, num_pages = _step(rng, chunks, block_size)
+    chunks, tables, num_pages, block_size = _eight_bit_step(heads, kv_heads, head_size, window)
     cache = torch.randint(-127, 128, (num_pages, 2, block_size, kv_heads, head_size), dtype=torch.int8)
     q, k, v = _qkv(sum(n for _, n in chunks), heads, kv_heads, head_size)
     attn = Attention(heads, kv_heads, head_size, head_size**-0.5, sliding_window=window)

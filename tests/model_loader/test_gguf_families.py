@@ -224,6 +224,18 @@ def test_gemma3_sliding_window_pattern_key(tmp_path):
     check_llm_parity(path, model)
 
 
+def _add_field(writer, key: str, value) -> None:
+    """One scalar metadata field, typed as llama.cpp's converter writes it."""
+    if isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, float):
+        writer.add_float32(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    else:
+        writer.add_string(key, value)
+
+
 def _rewrite(tmp_path, family: str, **metadata) -> str:
     """The F32 GGUF of ``family`` with extra ``<arch>.<key>`` metadata (a float, an int or a string)."""
     import gguf
@@ -238,22 +250,9 @@ def _rewrite(tmp_path, family: str, **metadata) -> str:
     for key, field in reader.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture" or key in metadata:
             continue
-        value = field.contents()
-        if isinstance(value, float):
-            writer.add_float32(key, value)
-        elif isinstance(value, bool):
-            writer.add_bool(key, value)
-        elif isinstance(value, int):
-            writer.add_uint32(key, value)
-        else:
-            writer.add_string(key, value)
+        _add_field(writer, key, field.contents())
     for key, value in metadata.items():
-        if isinstance(value, str):
-            writer.add_string(key, value)
-        elif isinstance(value, float):
-            writer.add_float32(key, value)
-        else:
-            writer.add_uint32(key, value)
+        _add_field(writer, key, value)
     for t in reader.tensors:
         writer.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
     writer.write_header_to_file()

@@ -73,8 +73,7 @@ def decode_attention(batch: int, context: int, args: argparse.Namespace, dtype: 
     meta = build_attention_metadata(tables, [context - 1] * batch, [1] * batch, block)
     attn = Attention(args.heads, args.kv_heads, args.head_dim, args.head_dim**-0.5)
     # Scales as a calibrated int8 layer has them (the first timed call would otherwise calibrate).
-    attn.k_scale = attn.v_scale = 1 / 32
-    attn.kv_scales_calibrated = True
+    attn.fix_kv_scales(1 / 32, 1 / 32)
     q = torch.randn(batch, args.heads, args.head_dim).to(dtype)
     k = torch.randn(batch, args.kv_heads, args.head_dim).to(dtype)
     v = torch.randn_like(k)

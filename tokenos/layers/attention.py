@@ -212,10 +212,19 @@ class Attention(CacheLayer):
         self.k_scale = 1.0
         self.v_scale = 1.0
         # vLLM's calculate_kv_scales for fp8 pages (the model runner sets it from the CacheConfig); int8
-        # pages calibrate whatever it says. Cleared once the scales are fixed.
+        # pages calibrate whatever it says.
         self.calculate_kv_scales = False
-        self.kv_scales_calibrated = False
         self._open_scales = {"k", "v"}  # those no real value has fixed yet
+
+    @property
+    def kv_scales_calibrated(self) -> bool:
+        """Whether k_scale and v_scale are fixed (no later forward changes them)."""
+        return not self._open_scales
+
+    def fix_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """Fix the scales by hand, as a calibrated layer holds them (a benchmark timing such a layer)."""
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self._open_scales.clear()
 
     def get_kv_cache_spec(self, cache_config: CacheConfig, dtype: str) -> FullAttentionSpec:
         """Pages in ``cache_config.cache_dtype`` (``dtype``, the model's, when "auto")."""
@@ -313,7 +322,6 @@ class Attention(CacheLayer):
         if "v" in self._open_scales and (amax := _amax(v)) > 0.0:
             self.v_scale = calibrated_scale(amax, dtype, FP8_V_SCALE_CONSTANT)
             self._open_scales.discard("v")
-        self.kv_scales_calibrated = not self._open_scales
 
     @property
     def explicit(self) -> bool:

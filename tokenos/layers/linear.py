@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,9 @@ from torch import nn
 from tokenos.layers.quantization import ONLINE_METHODS, QuantizedTensor, QuantizedWeight, quantize
 from tokenos.layers.weights import copy_rows, default_weight_loader, make_param
 from tokenos.platform import native_bf16_supported
+
+if TYPE_CHECKING:
+    from tokenos.lora.layers import LoRALayer
 
 
 class Linear(nn.Module):
@@ -48,11 +52,11 @@ class Linear(nn.Module):
         self.quantized: QuantizedWeight | None = None
         # Shard id (None: the whole weight) -> its quantized checkpoint tensor, until pack().
         self.quantized_shards: dict[int | str | None, QuantizedTensor] = {}
-        # Multi-LoRA: adds this step's adapters' deltas to the output (`tokenos.lora.layers`).
-        self.lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        # Multi-LoRA: runs this layer with the step's adapters instead of the base forward alone.
+        self.lora: LoRALayer | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base_forward(x) if self.lora is None else self.lora.forward(self, x)
+        return self.base_forward(x) if self.lora is None else self.lora.forward(x)
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T + b from the base weights alone (no adapter)."""

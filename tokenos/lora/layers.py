@@ -76,13 +76,14 @@ class LoRALayer:
         if self.merged_key == key:
             self.merged_key = self.merged = None
 
-    def forward(self, linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The adapted linear's output: merged where this step runs merged, else base plus deltas."""
         key = self.step.merged
         if key is not None and key in self.weights:
             merged = self.merged_forward(key)
             if merged is not None:
                 return merged(x)
-        return self(x, linear.base_forward(x))
+        return self(x, self.linear.base_forward(x))
 
     def merged_forward(self, key: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The forward with ``key`` merged into the base weight (made now if it is not the one held),

@@ -44,8 +44,9 @@ class LoRAManager:
         self.step = LoRAStep()
         self.registered: dict[str, AdapterInfo] = {}  # name -> the adapter requests naming it get
         self.loaded: OrderedDict[str, dict[str, ModuleWeights]] = OrderedDict()  # key -> weights (LRU)
-        self.users: dict[str, AdapterInfo] = {}  # key -> its adapter, while live requests carry it
-        self.refs: dict[str, int] = {}  # key -> live requests carrying it (waiting or running)
+        # key -> (its adapter, live requests carrying it, waiting or running): the adapter stays known
+        # to them after it is unregistered.
+        self.refs: dict[str, tuple[AdapterInfo, int]] = {}
         self.active: dict[str, int] = {}  # key -> requests in the running batch (weights pinned)
         self.layers: dict[str, LoRALayer] = {}
         self.merged: str | None = None  # the adapter whose merged copies the layers hold
@@ -89,17 +90,14 @@ class LoRAManager:
             raise ValueError(f"LoRA adapter {name!r} is not loaded (loaded: {known}).")
         if info.key not in self.loaded and info.key not in self.refs:
             self._check_unchanged(info, content_hash(info.path))
-        self.users[info.key] = info
-        self.refs[info.key] = self.refs.get(info.key, 0) + 1
+        self.refs[info.key] = (info, self.refs.get(info.key, (info, 0))[1] + 1)
         return info.key
 
     def release(self, key: str) -> None:
-        count = self.refs.get(key, 0) - 1
-        if count > 0:
-            self.refs[key] = count
+        info, count = self.refs.pop(key, (None, 0))
+        if count > 1:
+            self.refs[key] = (info, count - 1)
             return
-        self.refs.pop(key, None)
-        self.users.pop(key, None)
         if not self._registered(key):
             self._drop_weights(key)  # unloaded (or replaced) while requests still used it
         else:
@@ -109,7 +107,7 @@ class LoRAManager:
         """A request carrying ``key`` joins the running batch: its weights are loaded, and stay while it
         runs. ValueError (that request fails alone) if its files changed on disk since registration."""
         if key not in self.loaded:
-            self._reload(self.users[key])
+            self._reload(self.refs[key][0])
         self.loaded.move_to_end(key)
         self.active[key] = self.active.get(key, 0) + 1
 
