@@ -54,11 +54,13 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     ),
     "qwen2moe": ("qwen2_moe", {"mlp_only_layers": []}),
     "qwen3moe": ("qwen3_moe", {"decoder_sparse_step": 1}),
+    # llama.cpp fixes gpt-oss's SwiGLU clamp at 7 (the tiny fixture's 1.0 is not in any GGUF key).
+    "gpt_oss": ("gpt_oss", {"swiglu_limit": 7.0}),
 }
 # The GGUF architectures transformers' GGUF loader reads (``GGUF_SUPPORTED_ARCHITECTURES``).
 TRANSFORMERS_READS = ("llama", "phi3", "phi3_longrope", "gemma2", "gemma3", "qwen2moe", "qwen3moe")
 # (family, block type): Q8_0 for every family, Q4_0 (int4) where q / k are permuted and for the experts.
-QUANTIZED = [(f, "Q8_0") for f in FAMILIES] + [("llama", "Q4_0"), ("qwen3moe", "Q4_0")]
+QUANTIZED = [(f, "Q8_0") for f in FAMILIES] + [("llama", "Q4_0"), ("qwen3moe", "Q4_0"), ("gpt_oss", "MXFP4")]
 MAX_TOKENS = 8
 # The ModelConfig fields a GGUF must resolve exactly as the Hugging Face folder does.
 CONFIG_FIELDS = (
@@ -181,7 +183,8 @@ def test_llama_gguf_matches_transformers_loading_the_same_file(checkpoints):
 
 def dequantized_reference(model: torch.nn.Module, qtype: str) -> torch.nn.Module:
     """`model` with every weight the fixture quantizes replaced by its dequantized blocks (rows quantize
-    independently, so this commutes with the q/k permutation and the expert stacking)."""
+    independently, so this commutes with the q/k permutation and the expert stacking). gpt-oss's expert
+    weights are held ``[E, in, out]``: they quantize along ``in``, as the file's ``[E, out, in]`` rows."""
     import gguf
     from gguf.quants import dequantize, quantize
 
@@ -190,10 +193,16 @@ def dequantized_reference(model: torch.nn.Module, qtype: str) -> torch.nn.Module
     reference = copy.deepcopy(model)
     with torch.no_grad():
         for name, p in reference.named_parameters():
-            if p.squeeze().dim() < 2 or p.shape[-1] % block or name.endswith("mlp.gate.weight"):
+            experts = name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+            transposed = experts and model.config.model_type == "gpt_oss"
+            if kind == gguf.GGMLQuantizationType.MXFP4 and not experts:
+                continue  # the fixture quantizes only the expert stacks to MXFP4
+            w = p.detach().transpose(-1, -2).numpy() if transposed else p.detach().numpy()
+            skip = name.endswith(("mlp.gate.weight", "mlp.router.weight", "bias", "sinks"))
+            if skip or p.squeeze().dim() < 2 or w.shape[-1] % block:
                 continue
-            w = p.detach().numpy()
-            p.copy_(torch.from_numpy(dequantize(quantize(w, kind), kind).reshape(w.shape)))
+            deq = torch.from_numpy(dequantize(quantize(np.ascontiguousarray(w), kind), kind).reshape(w.shape))
+            p.copy_(deq.transpose(-1, -2) if transposed else deq)
     return reference
 
 
@@ -203,10 +212,13 @@ def test_quantized_gguf_stays_packed_and_generates_like_transformers(checkpoints
     path = write_gguf(model, str(tmp_path / f"{qtype}.gguf"), qtype=qtype)
     ours = build_model(load_model_config(path, dtype="float32"))
     layer = ours.stack.layers[0]
-    assert layer.self_attn.qkv_proj.quantized is not None and layer.self_attn.o_proj.quantized is not None
-    assert ours.stack.embed.quantized is not None
+    if qtype != "MXFP4":  # MXFP4 files quantize the experts only
+        assert layer.self_attn.qkv_proj.quantized is not None and layer.self_attn.o_proj.quantized is not None
+        assert ours.stack.embed.quantized is not None
     experts = getattr(layer.mlp, "experts", None)
-    if experts is not None:  # the [E, out, in] stacks too, one packed weight per expert and projection
+    if family == "gpt_oss":  # its experts are dense once loaded (MXFP4 ones dequantized, like the release)
+        assert not experts.quantized and not experts.mxfp4 and experts.gate_up_proj.dtype == torch.float32
+    elif experts is not None:  # the [E, out, in] stacks too, one packed weight per expert and projection
         assert set(experts.quantized) == {"gate_up_proj", "down_proj"}
         assert experts.gate_up_proj.weight is None and experts.down_proj.weight is None
     check_llm_parity(path, dequantized_reference(model, qtype))
@@ -302,3 +314,110 @@ def test_every_gguf_family_is_a_llama_cpp_architecture_we_run_natively():
         assert unmapped <= ({"attn_rot_embd", "ffn_gate_inp"} if name == "llama" else set()), name
         rope = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
         assert {n for n in listed if not n.startswith("blk.")} - set(_GLOBAL_NAMES) <= rope, name
+
+
+# gpt-oss's release: yarn factor 32 over 4096, beta 32 / 1, not truncated; here over 16 positions, so the
+# 30-token prompts run past the original length and the scaling shows.
+GPT_OSS_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 150000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+}
+
+
+def test_gpt_oss_yarn_reads_as_its_checkpoint_configures_it(tmp_path):
+    model = tiny_model("gpt_oss", rope_parameters=GPT_OSS_YARN, max_position_embeddings=64)
+    model.save_pretrained(str(tmp_path / "hf"))
+    path = write_gguf(model, str(tmp_path / "yarn.gguf"))
+    ours, theirs = load_model_config(path), load_model_config(str(tmp_path / "hf"))
+    assert ours.rope_scaling["truncate"] is False and ours.rope_scaling["rope_type"] == "yarn"
+    assert_same_rope(ours.rope_scaling, theirs.rope_scaling)
+    check_llm_parity(path, model)
+
+
+def _fuse_gate_up(src: str, out: str) -> str:
+    """``src`` with each layer's gate and up expert stacks (weights and biases) written as one
+    ``ffn_gate_up_exps`` (gate rows first), as converters with fused gate / up experts write it."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(out, arch)
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            _add_field(writer, key, field.contents())
+    tensors = {t.name: t for t in reader.tensors}
+    for t in reader.tensors:
+        if ".ffn_up_exps." in t.name:
+            continue
+        data, name = np.array(t.data), t.name
+        if ".ffn_gate_exps." in t.name:
+            up = np.array(tensors[t.name.replace("ffn_gate_exps", "ffn_up_exps")].data)
+            data, name = (
+                np.concatenate((data, up), axis=1),
+                t.name.replace("ffn_gate_exps", "ffn_gate_up_exps"),
+            )
+        writer.add_tensor(name, data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize("qtype", [None, "MXFP4"])
+def test_gpt_oss_fused_gate_up_experts(checkpoints, tmp_path, qtype):
+    model, _, _ = checkpoints("gpt_oss")
+    split = write_gguf(model, str(tmp_path / "split.gguf"), qtype=qtype)
+    path = _fuse_gate_up(split, str(tmp_path / "fused.gguf"))
+    check_llm_parity(path, model if qtype is None else dequantized_reference(model, qtype))
+
+
+def test_mxfp4_blocks_relaid_losslessly():
+    """ggml's MXFP4 rows re-laid as the checkpoint's blocks / scales dequantize (`dequantize_mxfp4`) to
+    exactly what gguf's own dequantization gives, every code and exponent included."""
+    import gguf
+    from gguf.quants import dequantize
+
+    from tokenos.layers.mxfp4 import dequantize_mxfp4
+    from tokenos.model_loader.gguf_loader import _mxfp4_checkpoint_blocks
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (3, 5, 4 * 17), dtype=np.uint8)  # [E, rows, 4 blocks of 17 bytes]
+    raw.reshape(3, 5, 4, 17)[..., 0] = rng.integers(100, 150, (3, 5, 4))  # exponents away from 0 / 255
+    blocks, scales = _mxfp4_checkpoint_blocks(raw)
+    assert blocks.shape == (3, 5, 4, 16) and scales.shape == (3, 5, 4)
+    ours = dequantize_mxfp4(torch.from_numpy(blocks), torch.from_numpy(scales), torch.float32).numpy()
+    theirs = dequantize(raw, gguf.GGMLQuantizationType.MXFP4).reshape(3, 5, 128)
+    np.testing.assert_array_equal(ours, theirs)
+
+
+def test_gpt_oss_mixed_mxfp4_experts_are_refused(tmp_path):
+    """An MXFP4 down stack beside a float gate / up: the experts cannot dequantize as one; refused."""
+    import gguf
+    from gguf.quants import quantize
+
+    model = tiny_model("gpt_oss")
+    src = write_gguf(model, str(tmp_path / "f32.gguf"))
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(tmp_path / "mixed.gguf"), "gpt-oss")
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            _add_field(writer, key, field.contents())
+    mxfp4 = gguf.GGMLQuantizationType.MXFP4
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.name.endswith("ffn_down_exps.weight"):
+            writer.add_tensor(t.name, quantize(data, mxfp4), raw_dtype=mxfp4)
+        else:
+            writer.add_tensor(t.name, data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="partly in MXFP4"):
+        load_model_config(str(tmp_path / "mixed.gguf"))

@@ -1,7 +1,7 @@
 """GGUF checkpoints: the config from ``<arch>.*`` keys and weights under their Hugging Face names.
 
 Every architecture llama.cpp defines and tokenos runs natively loads (`GGUF_FAMILIES`): llama, qwen2,
-qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, olmo2, granite. llama.cpp's converter renames every
+qwen3, qwen2moe, qwen3moe, gemma2, gemma3, phi3, olmo2, granite, gpt-oss. llama.cpp's converter renames every
 tensor (``blk.N.attn_q`` ...) and changes a few on the way; we undo each change, so the model code sees
 exactly what it would see from a safetensors folder:
 
@@ -10,18 +10,23 @@ exactly what it would see from a safetensors folder:
 - Gemma's converter stores every RMSNorm weight as ``1 + w`` (transformers' GemmaRMSNorm scales by
   ``1 + w``, llama.cpp by the stored weight): we subtract the 1 again;
 - MoE experts are stacked per projection ``[E, out, in]`` (``ffn_gate_exps`` ...): split per expert;
+  gpt-oss's stay stacked as its checkpoint holds them (`_GptOssExperts`): gate and up interleaved row by
+  row again, MXFP4 blocks re-laid as the checkpoint's ``*_blocks`` / ``*_scales`` (the same e2m1 codes and
+  e8m0 scales, so lossless), other types dequantized;
 - names differ per family: Gemma's ``ffn_norm`` is its pre-MLP norm, OLMo 2 / Gemma's post-norms are
   ``post_attention_norm`` / ``post_ffw_norm``, Phi-3 keeps q/k/v and gate/up fused (``attn_qkv``,
-  ``ffn_up``).
+  ``ffn_up``), gpt-oss's sinks are ``attn_sinks.weight`` (a bare ``self_attn.sinks`` in the checkpoint).
 
 What the converter writes beyond the Llama keys goes into ``hf_config`` under transformers' names, where
 the model code reads it for a folder too: Gemma's window, layer pattern, soft caps, query scale and (Gemma
 3) sliding-layer rope base, Phi-3's partial rotary, window and longrope factors, the experts' counts and
 sizes, Granite's multipliers. What llama.cpp hardcodes instead of writing, we hardcode as it does (Gemma
 2's window 4096 and caps 50 / 30 when absent, Gemma 3's five sliding layers in six and sliding base
-10000, Gemma's 27B query scale, Qwen3-MoE's renormalized top-k). Metadata that would change the model
+10000, Gemma's 27B query scale, Qwen3-MoE's renormalized top-k, gpt-oss's sliding even layers and its
+SwiGLU clamp 7.0 / alpha 1.702). Metadata that would change the model
 and that a family does not read (soft caps or multipliers elsewhere, experts in a llama file, a non-softmax
-router, partial rotary outside Phi-3, a rope scaling other than linear / Phi-3's longrope) is refused
+router, partial rotary outside Phi-3, a rope scaling other than linear / Phi-3's longrope / gpt-oss's yarn) is
+refused
 with a ValueError naming the key, never run as the plain model.
 
 Quantized blocks stay quantized where our packed layout holds them (`gguf_quantized`): Q8_0 is int8 with
@@ -89,6 +94,15 @@ _OLMO2_NAMES = {
     "post_ffw_norm": "post_feedforward_layernorm",
 }
 _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}  # stored fused, as in HF
+_GPT_OSS_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_sinks": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+}
+# gpt-oss's expert stacks (`_GptOssExperts`); recent converters may write gate and up fused.
+_GPT_OSS_EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "ffn_gate_up_exps")
+# Checkpoint parameters without a .weight suffix, which the converter adds.
+_BARE_PARAMS = ("self_attn.sinks",)
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -109,6 +123,10 @@ class GGUFFamily:
     # Keys of `_NEUTRAL_VALUES` (after "<arch>.") this family reads; elsewhere a value other than the
     # neutral one is refused.
     keys: frozenset[str] = frozenset()
+    # Yarn rope scaling is read, with transformers' ``truncate`` for the family (None: yarn refused).
+    yarn_truncate: bool | None = None
+    # The experts stay stacked as the checkpoint holds them (gpt-oss), instead of split per expert.
+    stacked_experts: bool = False
 
 
 _GEMMA_KEYS = frozenset(
@@ -132,6 +150,7 @@ _MOE_KEYS = frozenset(
     }
 )
 _GRANITE_KEYS = frozenset({"attention.scale", "embedding_scale", "residual_scale", "logit_scale"})
+_GPT_OSS_KEYS = frozenset({"expert_count", "expert_used_count", "expert_feed_forward_length"})
 
 GGUF_FAMILIES: dict[str, GGUFFamily] = {
     "llama": GGUFFamily("LlamaForCausalLM", permuted_qk=True),
@@ -148,6 +167,14 @@ GGUF_FAMILIES: dict[str, GGUFFamily] = {
     "phi3": GGUFFamily("Phi3ForCausalLM", {**_LAYER_NAMES, **_PHI3_NAMES}, partial_rotary=True),
     "olmo2": GGUFFamily("Olmo2ForCausalLM", {**_LAYER_NAMES, **_OLMO2_NAMES}, per_head_qk_norm=False),
     "granite": GGUFFamily("GraniteForCausalLM", permuted_qk=True, keys=_GRANITE_KEYS),
+    # gpt-oss's converter is a plain TextModel: no q/k permutation (llama.cpp runs it with NEOX rope).
+    "gpt-oss": GGUFFamily(
+        "GptOssForCausalLM",
+        {**_LAYER_NAMES, **_GPT_OSS_NAMES},
+        keys=_GPT_OSS_KEYS,
+        yarn_truncate=False,
+        stacked_experts=True,
+    ),
 }
 # GGUF general.architecture -> the Hugging Face architecture name our registry knows it by.
 GGUF_ARCHITECTURES = {arch: family.architecture for arch, family in GGUF_FAMILIES.items()}
@@ -221,7 +248,7 @@ def read_gguf_config(path: str) -> dict[str, Any]:
     family = gguf_family(arch)
     meta = _Meta(reader, arch, path)
     _refuse_unread_keys(meta, family)
-    theta, scaling = _rope(meta)
+    theta, scaling = _rope(meta, family)
     hidden, heads = meta.required("embedding_length"), meta.required("attention.head_count")
     head_dim = meta.get("attention.key_length", hidden // heads)
     _check_head_dims(meta, head_dim, family.partial_rotary)
@@ -278,10 +305,10 @@ def _check_head_dims(meta: _Meta, head_dim: int, partial_rotary: bool) -> None:
         raise meta.refuse(f"{meta.arch}.rope.dimension_count {rotary} (partial rotary of {head_dim})")
 
 
-def _rope(meta: _Meta) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) of the full-attention layers. Linear scaling is read, and Phi-3's longrope (its
-    factor tensors, `_phi3_longrope`); every other type is refused (running it as default rope would be
-    silently wrong)."""
+def _rope(meta: _Meta, family: GGUFFamily) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) of the full-attention layers. Linear scaling is read, Phi-3's longrope (its
+    factor tensors, `_phi3_longrope`) and yarn where the family runs it (`_yarn`); every other type is
+    refused (running it as default rope would be silently wrong)."""
     if "rope_freqs.weight" in meta.names:
         raise meta.refuse("rope_freqs (Llama 3.1-style rope scaling)")
     theta = float(meta.get("rope.freq_base", 10000.0))
@@ -295,7 +322,30 @@ def _rope(meta: _Meta) -> tuple[float, dict[str, Any] | None]:
         return theta, None
     if scaling == "linear":
         return theta, {"rope_type": "linear", "factor": float(factor)}
+    if scaling == "yarn" and family.yarn_truncate is not None:
+        return theta, _yarn(meta, float(factor), family.yarn_truncate)
     raise meta.refuse(f"{meta.arch}.rope.scaling.type {scaling!r}")
+
+
+def _yarn(meta: _Meta, factor: float, truncate: bool) -> dict[str, Any]:
+    """Yarn under transformers' names; llama.cpp's defaults (beta 32 / 1) where the converter wrote none.
+    Its knobs that transformers' yarn does not have are refused unless neutral."""
+    for key, neutral in (("rope.scaling.yarn_ext_factor", 1.0), ("rope.scaling.yarn_log_multiplier", 0.0)):
+        value = meta.get(key)
+        if value is not None and float(value) != neutral:
+            raise meta.refuse(f"{meta.arch}.{key} = {value!r}")
+    scaling = {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": int(meta.required("rope.scaling.original_context_length")),
+        "beta_fast": float(meta.get("rope.scaling.yarn_beta_fast", 32.0)),
+        "beta_slow": float(meta.get("rope.scaling.yarn_beta_slow", 1.0)),
+        "truncate": truncate,
+    }
+    attention = meta.get("rope.scaling.yarn_attn_factor")
+    if attention is not None:
+        scaling["attention_factor"] = float(attention)
+    return scaling
 
 
 def _ids(value: int | None) -> tuple[int, ...]:
@@ -421,7 +471,40 @@ def _granite_fields(meta: _Meta, fields: dict[str, Any]) -> None:
     cfg["logits_scaling"] = float(meta.get("logit_scale", 1.0))
 
 
+# What llama.cpp hardcodes for gpt-oss (its OPENAI_MOE graph): the SwiGLU clamp and slope, and a
+# sliding window on every even layer (swa pattern 2).
+_GPT_OSS_SWIGLU_LIMIT, _GPT_OSS_SWIGLU_ALPHA = 7.0, 1.702
+_MXFP4 = 39  # ggml type
+
+
+def _gpt_oss_fields(meta: _Meta, fields: dict[str, Any]) -> None:
+    """Experts, the alternating sliding layers and the SwiGLU constants llama.cpp fixes; MXFP4 experts
+    (``gguf_mxfp4_experts``) load as the checkpoint's blocks and are dequantized like its safetensors."""
+    if meta.has("expert_gating_func"):
+        raise meta.refuse(f"{meta.arch}.expert_gating_func (gpt-oss softmaxes its top-k logits)")
+    layers, cfg = fields["num_hidden_layers"], fields["hf_config"]
+    clamp = meta.reader.array(f"{meta.arch}.swiglu_clamp_exp")
+    if clamp is not None and any(float(c) != _GPT_OSS_SWIGLU_LIMIT for c in clamp):
+        raise meta.refuse(
+            f"{meta.arch}.swiglu_clamp_exp {list(clamp)} (llama.cpp runs {_GPT_OSS_SWIGLU_LIMIT})"
+        )
+    stacks = _GptOssExperts.stack_types(meta)
+    cfg["num_local_experts"] = int(meta.get("expert_count", stacks.experts))
+    cfg["num_experts_per_tok"] = int(meta.required("expert_used_count"))
+    fields["intermediate_size"] = int(meta.get("expert_feed_forward_length", stacks.intermediate))
+    cfg["intermediate_size"] = fields["intermediate_size"]
+    cfg["swiglu_limit"], cfg["swiglu_alpha"] = _GPT_OSS_SWIGLU_LIMIT, _GPT_OSS_SWIGLU_ALPHA
+    cfg["gguf_mxfp4_experts"] = stacks.mxfp4
+    window = meta.get("attention.sliding_window") or None
+    sliding = [window is not None and i % 2 == 0 for i in range(layers)]
+    cfg["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
+    cfg["sliding_window"] = window
+    fields["sliding_window"] = window
+    fields["layer_sliding_windows"] = tuple(window if s else None for s in sliding)
+
+
 _FAMILY_FIELDS = {
+    "gpt-oss": _gpt_oss_fields,
     "gemma2": _gemma_fields,
     "gemma3": _gemma_fields,
     "phi3": _phi3_fields,
@@ -438,7 +521,10 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     names = GGUF_FAMILIES[arch].layer_names
     if m:
         layer, part, kind = m.groups()
-        return f"model.layers.{layer}.{names[part]}.{kind}" if part in names else None
+        if part not in names:
+            return None
+        module = f"model.layers.{layer}.{names[part]}"
+        return module if names[part] in _BARE_PARAMS else f"{module}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
     return f"{_GLOBAL_NAMES[base]}.{kind}" if base in _GLOBAL_NAMES else None
 
@@ -528,8 +614,12 @@ def iter_gguf_weights(
     arch = _field(reader, "general.architecture")
     family = gguf_family(arch)
     dequantized: Counter[str] = Counter()
+    stacks = _GptOssExperts(reader, dequantized) if family.stacked_experts else None
     for tensor in reader.tensors:
         m = _BLOCK_RE.match(tensor.name)
+        if stacks is not None and m and m.group(2) in _GPT_OSS_EXPERTS:
+            yield from stacks.add(tensor, *m.groups())
+            continue
         if m and m.group(2) in _EXPERT_NAMES:
             proj = _EXPERT_NAMES[m.group(2)]
             yield from _expert_weights(reader, tensor, m.group(1), proj, keep_quantized, dequantized)
@@ -547,6 +637,8 @@ def iter_gguf_weights(
         if family.norm_plus_one and tensor.name.endswith("norm.weight"):
             array = array - np.float32(1)
         yield name, torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+    if stacks is not None:
+        stacks.check_complete(path)
     reader.close()
     if dequantized:
         kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(dequantized.items()))
@@ -593,3 +685,118 @@ def _type_name(ggml_type: int) -> str:
     from gguf import GGMLQuantizationType
 
     return GGMLQuantizationType(ggml_type).name
+
+
+@dataclass(frozen=True)
+class _StackTypes:
+    experts: int
+    intermediate: int
+    mxfp4: bool
+
+
+class _GptOssExperts:
+    """gpt-oss's expert stacks back in its checkpoint's layout (`tokenos.models.gpt_oss.GptOssExperts`
+    loads that): ``gate_up_proj`` ``[E, H, 2I]`` with gate and up rows interleaved, ``down_proj``
+    ``[E, I, H]``, biases ``[E, 2I]`` / ``[E, H]``; MXFP4 stacks as ``*_blocks`` ``[E, out, in / 32, 16]`` and
+    ``*_scales`` ``[E, out, in / 32]``. The converter writes gate and up as two stacks (or one fused
+    ``ffn_gate_up_exps``, gate rows first), so a layer's gate is held until its up is read."""
+
+    def __init__(self, reader: GGUFFile, dequantized: Counter[str]) -> None:
+        self.reader, self.dequantized = reader, dequantized
+        self.pending: dict[tuple[str, str], dict[str, Any]] = {}
+
+    @staticmethod
+    def stack_types(meta: _Meta) -> _StackTypes:
+        """Expert count, intermediate size and whether every expert weight stack is MXFP4 (a file that
+        mixes MXFP4 with other types is refused: the experts dequantize all together or not at all)."""
+        weights = [
+            t
+            for name, t in meta.names.items()
+            if (m := _BLOCK_RE.match(name)) and m.group(2) in _GPT_OSS_EXPERTS and m.group(3) == "weight"
+        ]
+        if not weights:
+            raise ValueError(f"{meta.path}: GGUF gpt-oss without expert stacks (ffn_*_exps)")
+        mxfp4 = {t.ggml_type == _MXFP4 for t in weights}
+        if len(mxfp4) > 1:
+            raise meta.refuse("gpt-oss expert stacks partly in MXFP4 and partly in other block types")
+        gate = meta.names.get("blk.0.ffn_gate_exps.weight")
+        if gate is not None:
+            return _StackTypes(gate.shape[0], gate.shape[1], mxfp4.pop())
+        fused = meta.names["blk.0.ffn_gate_up_exps.weight"]
+        return _StackTypes(fused.shape[0], fused.shape[1] // 2, mxfp4.pop())
+
+    def add(self, tensor: Any, layer: str, part: str, kind: str) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors this GGUF tensor completes (none while a layer's gate waits for up)."""
+        prefix = f"model.layers.{layer}.mlp.experts."
+        values = self._values(tensor, kind)
+        if part == "ffn_down_exps":
+            yield from self._down(prefix, kind, values)
+        elif part == "ffn_gate_up_exps":
+            yield from self._gate_up(prefix, kind, *self._halves(values))
+        else:
+            slot = self.pending.setdefault((layer, kind), {})
+            slot[part] = values
+            if len(slot) == 2:
+                del self.pending[(layer, kind)]
+                yield from self._gate_up(prefix, kind, slot["ffn_gate_exps"], slot["ffn_up_exps"])
+
+    def check_complete(self, path: str) -> None:
+        if self.pending:
+            missing = ", ".join(f"blk.{layer} {kind}" for layer, kind in sorted(self.pending))
+            raise ValueError(
+                f"{path}: GGUF gpt-oss has a gate or up expert stack without the other: {missing}"
+            )
+
+    def _values(self, tensor: Any, kind: str) -> Any:
+        """float32 values, or an MXFP4 weight's (blocks, scales) in the checkpoint's layout."""
+        if kind == "weight" and tensor.ggml_type == _MXFP4:
+            return _mxfp4_checkpoint_blocks(self.reader.raw(tensor))
+        return _dense(self.reader, tensor, self.dequantized)
+
+    @staticmethod
+    def _halves(values: Any) -> tuple[Any, Any]:
+        """A fused stack's gate rows and up rows (the converter concatenates them along the rows)."""
+        if isinstance(values, tuple):
+            (blocks_g, blocks_u), (scales_g, scales_u) = (np.split(v, 2, axis=1) for v in values)
+            return (blocks_g, scales_g), (blocks_u, scales_u)
+        return tuple(np.split(values, 2, axis=1))
+
+    def _down(self, prefix: str, kind: str, values: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        if kind == "bias":
+            yield f"{prefix}down_proj_bias", _tensor(values)
+        elif isinstance(values, tuple):
+            yield f"{prefix}down_proj_blocks", _tensor(values[0])
+            yield f"{prefix}down_proj_scales", _tensor(values[1])
+        else:
+            yield f"{prefix}down_proj", _tensor(values.transpose(0, 2, 1))  # [E, H, I] -> [E, I, H]
+
+    def _gate_up(self, prefix: str, kind: str, gate: Any, up: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        if kind == "bias":
+            yield f"{prefix}gate_up_proj_bias", _tensor(_interleave(gate, up))
+        elif isinstance(gate, tuple):
+            yield f"{prefix}gate_up_proj_blocks", _tensor(_interleave(gate[0], up[0]))
+            yield f"{prefix}gate_up_proj_scales", _tensor(_interleave(gate[1], up[1]))
+        else:
+            yield f"{prefix}gate_up_proj", _tensor(_interleave(gate, up).transpose(0, 2, 1))  # [E, H, 2I]
+
+
+def _interleave(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """``[E, I, ...]`` gate and up rows -> ``[E, 2I, ...]`` as ``g0, u0, g1, u1, ...`` (the checkpoint's)."""
+    return np.stack((gate, up), axis=2).reshape(gate.shape[0], 2 * gate.shape[1], *gate.shape[2:])
+
+
+def _mxfp4_checkpoint_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """ggml MXFP4 rows ``[..., rows, blocks * 17]`` -> the checkpoint's uint8 (blocks ``[..., rows, G, 16]``,
+    scales ``[..., rows, G]``). Both hold the same e2m1 codes and e8m0 exponents (ggml's table is the e2m1
+    values doubled and its scale halved); only the nibble order differs: ggml puts value j in the low and
+    j + 16 in the high nibble of byte j, the checkpoint values 2k and 2k + 1 in byte k."""
+    blocks = raw.reshape(*raw.shape[:-1], -1, 17)
+    scales, qs = blocks[..., 0], blocks[..., 1:]
+    codes = np.concatenate((qs & 15, qs >> 4), axis=-1)  # [..., G, 32] in value order
+    return np.ascontiguousarray(codes[..., 0::2] | (codes[..., 1::2] << 4)), np.ascontiguousarray(scales)
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    if array.dtype == np.uint8:
+        return torch.from_numpy(np.array(array, copy=True))
+    return torch.from_numpy(np.require(array, np.float32, ["C", "W"]))

@@ -168,7 +168,10 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def is_mxfp4(hf_config: dict) -> bool:
-    """Whether the checkpoint stores its experts in MXFP4 (``quantization_config.quant_method``)."""
+    """Whether the checkpoint stores its experts in MXFP4 (``quantization_config.quant_method``, or a GGUF
+    whose expert stacks are MXFP4: ``gguf_mxfp4_experts``, set by `tokenos.model_loader.gguf_loader`)."""
+    if hf_config.get("gguf_mxfp4_experts"):
+        return True
     method = (hf_config.get("quantization_config") or {}).get("quant_method")
     return str(method).lower() == "mxfp4"
 
