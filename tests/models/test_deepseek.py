@@ -39,7 +39,8 @@ CASES = {
         {"q_lora_rank": 24, "topk_method": "greedy", "rope_parameters": YARN, "attention_bias": True},
     ),
     "v3_q_lora_noaux_tc": ("deepseek_v3", {}),
-    "v3_yarn_mscale": ("deepseek_v3", {"rope_parameters": YARN}),
+    # A large rms_norm_eps: the q_a / kv_a norms must keep transformers' 1e-6 regardless.
+    "v3_yarn_mscale_large_eps": ("deepseek_v3", {"rope_parameters": YARN, "rms_norm_eps": 0.5}),
     "v3_q_proj_not_interleaved_unnormed": (
         "deepseek_v3",
         {"q_lora_rank": None, "rope_interleave": False, "norm_topk_prob": False, "n_shared_experts": 1},
