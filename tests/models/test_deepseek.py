@@ -188,6 +188,27 @@ def test_pages_hold_latent_then_rope_key_and_nothing_else_moves(hybrid):
         assert torch.equal(raw[b][keep], before[b][keep])
 
 
+def test_strided_pages_address_rows_by_the_page_stride():
+    """Pages farther apart than their rows (a view into a wider page): each token's row lands at
+    ``block * rows_per_block + offset`` and the rest of the page is untouched."""
+    layer = _layer()
+    block_size, width, rows_per_block = 4, 11, 6
+    base = torch.full((8 * rows_per_block * width,), 7.0)
+    cache = base.as_strided((8, block_size, 1, width), (rows_per_block * width, width, width, 1))
+    flat, rpb = flat_latent_view(cache)
+    assert rpb == rows_per_block
+    meta = build_attention_metadata([[3, 5]], [2], [5], block_size)
+    latent, k_pe = torch.randn(5, 7), torch.randn(5, 4)
+    layer.attend(torch.randn(5, 3, 9), latent, k_pe, cache, meta)
+    rows = base.view(8 * rows_per_block, width)
+    written = [3 * rows_per_block + 2, 3 * rows_per_block + 3, 5 * rows_per_block, 5 * rows_per_block + 1]
+    written.append(5 * rows_per_block + 2)
+    torch.testing.assert_close(rows[written], torch.cat((latent, k_pe), -1), rtol=0, atol=0)
+    others = torch.ones(rows.shape[0], dtype=torch.bool)
+    others[written] = False
+    assert bool((rows[others] == 7.0).all())
+
+
 def test_writes_stay_in_owned_pages(case):
     """Through the whole model: every page of the pool filled with a pattern, only the scheduled requests'
     pages change, never the null block or an idle request's pages."""
