@@ -404,3 +404,21 @@ def test_llm_greedy_parity_chunked_prefix_hits_preemption_and_n(tmp_path, family
     outputs = DENSE.run(llm, prompts)
     assert llm.get_metrics()["num_preemptions"] > 0
     DENSE.check(outputs, prompts, ref)
+
+
+def test_llm_greedy_parity_with_ngram_drafts(tmp_path):
+    """Drafts verified in one forward run several query tokens after a cached context: the expanded path
+    on a cached prefix at every decode step, rejected drafts' rows overwritten later."""
+    folder = str(tmp_path / "v3")
+    ref = save_tiny("deepseek_v3", folder, **LLM_SHAPE)
+    prompts = [p * 3 for p in DENSE.prompts(3, 4, 10, seed=3)] + DENSE.prompts(1, 5, 30, seed=4)
+    ngram = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 3,
+        "disable_by_batch_size": 64,
+    }
+    llm = make_llm(folder, speculative_config=ngram, max_num_batched_tokens=16)
+    DENSE.check(DENSE.run(llm, prompts), prompts, ref)
+    metrics = llm.get_metrics()["spec_decoding"]
+    assert metrics["num_draft_tokens"] > 0 and metrics["num_accepted_tokens"] > 0, metrics
