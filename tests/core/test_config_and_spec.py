@@ -10,6 +10,7 @@ from tokenos.core.kv_cache.spec import (
     KVCacheConfig,
     KVCacheGroupSpec,
     MambaSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     get_kv_cache_config,
 )
@@ -128,3 +129,41 @@ def test_three_block_sizes_stay_separate():
     assert cfg.kernel_block_sizes == [32, 16, 48]
     assert cfg.hash_block_size == 16  # gcd
     assert cfg.scheduler_alignment == 48  # lcm of align-mode recurrent groups
+
+
+def test_mla_page_is_one_latent_row_per_token():
+    """DeepSeek V3's latent (512) plus rope key (64) in bf16: one 1152-byte row per token, where an
+    ordinary spec of the same head size stores K and V (twice the bytes)."""
+    mla = MLAAttentionSpec(16, 1, 512 + 64, "bfloat16")
+    assert mla.bytes_per_token == 576 * 2 and mla.page_size_bytes == 16 * 576 * 2
+    assert FullAttentionSpec(16, 1, 576, "bfloat16").page_size_bytes == 2 * mla.page_size_bytes
+    assert mla.max_memory_usage_bytes(100) == 7 * mla.page_size_bytes
+    assert mla != FullAttentionSpec(16, 1, 576, "bfloat16")  # never grouped with ordinary attention
+    with pytest.raises(ValueError, match="one latent head"):
+        MLAAttentionSpec(16, 2, 576, "bfloat16")
+
+
+def test_mla_pool_sizing_and_grouping():
+    specs = {f"l{i}": MLAAttentionSpec(16, 1, 40, "float32") for i in range(3)}  # 160 B/token, 2560 B page
+    cfg = get_kv_cache_config(specs, available_memory_bytes=3 * 10 * 2560, num_blocks=None, max_model_len=64)
+    assert cfg.num_blocks == 10 and cfg.page_size_bytes == 2560
+    assert len(cfg.kv_cache_groups) == 1 and isinstance(
+        cfg.kv_cache_groups[0].kv_cache_spec, MLAAttentionSpec
+    )
+    assert [t.shared_by for t in cfg.kv_cache_tensors] == [["l0"], ["l1"], ["l2"]]
+
+
+def test_mla_unifies_with_recurrent_pages_by_its_own_bytes_per_token():
+    """Beside a recurrent state, the MLA block size is raised by ITS bytes per token (one row, not two)."""
+    specs = {"a": MLAAttentionSpec(16, 1, 32, "float16"), "m": MambaSpec(((10, 100),), ("float32",), 16)}
+    cfg = get_kv_cache_config(specs, available_memory_bytes=None, num_blocks=20, max_model_len=128)
+    mla = next(g.kv_cache_spec for g in cfg.kv_cache_groups if isinstance(g.kv_cache_spec, MLAAttentionSpec))
+    # 64 bytes per token: 4000-byte state -> 64 tokens of 64 bytes (an ordinary spec: 32 tokens of 128)
+    assert mla.block_size == 64 and mla.page_size_bytes == 4096
+    assert all(g.kv_cache_spec.page_size_bytes == 4096 for g in cfg.kv_cache_groups)
+
+
+def test_mla_beside_ordinary_attention_is_refused():
+    specs = {"a": MLAAttentionSpec(16, 1, 32, "float16"), "b": FullAttentionSpec(16, 1, 32, "float16")}
+    with pytest.raises(ValueError, match="different page sizes"):
+        get_kv_cache_config(specs, available_memory_bytes=None, num_blocks=100, max_model_len=64)

@@ -149,3 +149,20 @@ def test_allocation_is_all_or_nothing_and_reserves_the_full_need():
     assert not kv.allocate_slots(b, 4, num_tokens_to_reserve=12).ok
     assert kv.block_pool.get_num_free_blocks() == 2 and kv.get_block_ids("b") == ([],)
     assert kv.allocate_slots(b, 4, num_tokens_to_reserve=8).ok
+
+
+def test_mla_group_is_full_attention_to_the_manager():
+    """An MLA group runs the full-attention manager: a finished request's blocks are hit by the next one
+    with the same prefix, exactly as for an ordinary attention group."""
+    from tokenos.core.kv_cache.single_type_manager import FullAttentionManager
+    from tokenos.core.kv_cache.spec import MLAAttentionSpec
+
+    kv = _setup(MLAAttentionSpec(4, 1, 6, "float32"))
+    assert type(kv.coordinator.managers[0]) is FullAttentionManager
+    first = _req(kv, "a", list(range(14)))
+    assert kv.allocate_slots(first, 14).ok
+    blocks = kv.get_block_ids("a")[0]
+    kv.free(first)
+    second = _req(kv, "b", [*range(12), 99, 98, 97])
+    hit = kv.get_computed_blocks(second)
+    assert hit.num_tokens == 12 and [b.block_id for b in hit.blocks[0]] == blocks[:3]

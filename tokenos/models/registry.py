@@ -48,6 +48,8 @@ ARCHITECTURES: dict[str, Architecture] = {
     "FalconH1ForCausalLM": Architecture("falcon_h1", "FalconH1ForCausalLM"),
     "NemotronHForCausalLM": Architecture("nemotron_h", "NemotronHForCausalLM"),
     "GptOssForCausalLM": Architecture("gpt_oss", "GptOssForCausalLM", {"attention_bias": True}),
+    "DeepseekV2ForCausalLM": Architecture("deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": Architecture("deepseek", "DeepseekV3ForCausalLM"),
 }
 
 

@@ -17,6 +17,7 @@ from tokenos.core.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheConfig,
     MambaSpec,
+    MLAAttentionSpec,
 )
 from tokenos.platform import torch_dtype
 
@@ -34,6 +35,14 @@ def attention_view(
     nbytes = 2 * spec.block_size * spec.num_kv_heads * spec.head_size * dtype.itemsize
     raw = _page_view(buf, num_blocks, page_size, nbytes)
     return raw.view(dtype).view(num_blocks, *shape)
+
+
+def mla_view(buf: torch.Tensor, num_blocks: int, page_size: int, spec: MLAAttentionSpec) -> torch.Tensor:
+    """An MLA layer's pages: one row of ``head_size`` values per token (latent, then rope key)."""
+    dtype = torch_dtype(spec.dtype)
+    nbytes = spec.block_size * spec.head_size * dtype.itemsize
+    raw = _page_view(buf, num_blocks, page_size, nbytes)
+    return raw.view(dtype).view(num_blocks, spec.block_size, 1, spec.head_size)
 
 
 def mamba_views(buf: torch.Tensor, num_blocks: int, page_size: int, spec: MambaSpec) -> list[torch.Tensor]:
@@ -82,6 +91,8 @@ def allocate_kv_caches(config: KVCacheConfig, layer_order: list[str]) -> list:
             spec = spec_of[name]
             if isinstance(spec, MambaSpec):
                 views[name] = mamba_views(buf, num_blocks, page_size, spec)
+            elif isinstance(spec, MLAAttentionSpec):
+                views[name] = mla_view(buf, num_blocks, page_size, spec)
             else:
                 views[name] = attention_view(buf, num_blocks, page_size, spec)
     return [views[name] for name in layer_order]

@@ -97,7 +97,10 @@ class ModelRunner:
 
     def describe_kernels(self) -> str:
         """What runs here, for the start-up log: dtype, CPU, threads, and which fast paths are on."""
-        c_kernel = cpu_kernels.load() is not None
+        # MLA layers (DeepSeek) attend in torch: the C kernel serves `Attention` layers only.
+        c_kernel = cpu_kernels.load() is not None and any(
+            isinstance(m, Attention) for m in self.model.modules()
+        )
         return (
             f"dtype {dtype_name(self.model_config.dtype)} on {cpu_summary()} "
             f"(native bf16: {'yes' if native_bf16_supported() else 'no'}), {self.num_threads} threads; "

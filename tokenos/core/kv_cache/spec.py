@@ -1,8 +1,10 @@
 """What state each layer needs, how layers group, and how one pool of pages holds them all.
 
 Specs. Every layer declares a spec: `FullAttentionSpec` (K and V for every token),
-`SlidingWindowSpec` (K and V for the last `sliding_window` tokens) or `MambaSpec` (any
-fixed-size recurrent state: Mamba2, gated DeltaNet, short conv, linear attention). Layers with
+`SlidingWindowSpec` (K and V for the last `sliding_window` tokens), `MLAAttentionSpec` (multi-head
+latent attention: ONE row per token, the compressed latent and the rotated rope key, serving as both
+K and V) or `MambaSpec` (any fixed-size recurrent state: Mamba2, gated DeltaNet, short conv, linear
+attention). Layers with
 equal specs form a KV-cache group; the memory manager only ever sees specs and groups.
 
 One pool. All groups take fixed-size pages from one pool of `num_blocks` blocks; a block id is
@@ -30,6 +32,7 @@ Memory layout (the worker's contract). Each `KVCacheTensor` is one flat byte buf
 DIMENSION OUTERMOST, so block b of every view is the byte range
 `[b * page_size_bytes, (b + 1) * page_size_bytes)`:
 - attention layers: `[num_blocks, 2, block_size, num_kv_heads, head_size]` (K then V);
+- MLA layers: `[num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]` (latent, then rope key);
 - recurrent layers: one view per state, `[num_blocks, *shapes[i]]` with dtype `dtypes[i]`,
   the states packed back to back from byte 0 of the page in the order given
   (`MambaSpec.state_offsets()` gives the byte offsets); the rest of the page is padding.
@@ -101,6 +104,26 @@ class AttentionSpec(KVCacheSpec):
 class FullAttentionSpec(AttentionSpec):
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int | None = None) -> int:
         return cdiv(max_model_len, self.block_size) * self.page_size_bytes
+
+
+@dataclass(frozen=True)
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention (DeepSeek V2 / V3): every query head reads the same per-token row of
+    ``head_size`` = ``kv_lora_rank + qk_rope_head_dim`` values (the normed latent, then the rotated rope
+    key), which stands for both K and V, so a token costs one row where ordinary attention stores two.
+    It is full attention to the memory manager (a subclass: same manager, same prefix caching); only
+    the page size differs, and the pool unifies it with other specs by bytes per token."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.num_kv_heads != 1:
+            raise ValueError(
+                f"MLAAttentionSpec has one latent head per token, got num_kv_heads={self.num_kv_heads}."
+            )
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.head_size * _dtype_size(self.dtype)
 
 
 @dataclass(frozen=True)
