@@ -113,6 +113,7 @@ def test_sampled_drafts_of_the_target_itself_are_always_accepted(tiny_llama):
     assert spec["num_draft_tokens"] > 20 and spec["acceptance_rate"] == 1.0, spec
 
 
+@pytest.mark.slow
 def test_sampled_output_is_the_targets_distribution(tiny_llama, noisy_drafter):
     """The second token of many samples of one prompt (verified from the noisy drafter's sampled draft,
     with its q) against its exact marginal sum_a p(a) p(b | a) from transformers: a chi-square test over
