@@ -359,8 +359,8 @@ class ModelRunner:
 
     def _propose(self, req_ids: list[str], sampled: list[list[int]]) -> dict[str, list[int]]:
         """The drafter's drafts for every request that sampled this step (now decoding), for the next
-        step; their q kept for its verification. None while the batch is too large to speculate (the
-        scheduler would drop them: `SpeculativeConfig.disable_by_batch_size`)."""
+        step; their q kept for its verification. Nothing while the batch is too large to speculate (the
+        scheduler would drop them: `SpeculativeConfig.disable_by_batch_size`), so none are computed."""
         self.draft_probs = {}
         batch = self.input_batch
         rows = [row for row, tokens in enumerate(sampled) if tokens]
