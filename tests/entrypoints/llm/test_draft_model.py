@@ -205,3 +205,18 @@ def test_the_json_spelling_is_vllms(tiny_llama):
         json.dumps({"method": "draft_model", "model": folder, "num_speculative_tokens": 2})
     )
     assert (config.method, config.model, config.num_speculative_tokens) == ("draft_model", folder, 2)
+
+
+def test_the_pool_counts_the_drafters_pages(tiny_llama, noisy_drafter):
+    """The same KV memory holds half the blocks when a drafter of the target's shape shares each block
+    (one more buffer per drafter layer), and its layers are in the target's group, so the block tables
+    the scheduler fills cover them."""
+    folder, _ = tiny_llama
+    memory = 4 * 2**20
+    plain = make_llm(folder, kv_cache_memory_bytes=memory).engine
+    spec = make_llm(
+        folder, kv_cache_memory_bytes=memory, speculative_config=draft_config(noisy_drafter)
+    ).engine
+    assert spec.kv_cache_config.num_blocks * 2 == plain.kv_cache_config.num_blocks
+    (group,) = spec.kv_cache_config.kv_cache_groups
+    assert sum(name.startswith("drafter.") for name in group.layer_names) == 2
