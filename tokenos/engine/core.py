@@ -54,6 +54,7 @@ class EngineCore:
         self.model_config = model_config
         # Custom logits processors: classes or "module:Class" (a bad one fails here, at start-up).
         self.logits_processors = load_logits_processors(args.logits_processors)
+        speculative = args.speculative()
         self.model_runner = ModelRunner(
             model_config,
             cache_config,
@@ -63,6 +64,7 @@ class EngineCore:
             logits_processors=self.logits_processors,
             scheduler_config=scheduler_config,
             lora_config=args.lora_config(),
+            speculative_config=speculative,
         )
         self.loras = self.model_runner.lora
         layer_specs = self.model_runner.get_kv_cache_spec()
@@ -75,7 +77,6 @@ class EngineCore:
         )
         self.model_runner.initialize_kv_cache(self.kv_cache_config)
         self._log_kv_dtype(cache_config.cache_dtype, layer_specs, model_config.max_model_len)
-        speculative = args.speculative()
         if speculative is not None and self.logits_processors:
             raise ValueError(
                 "speculative decoding with custom logits processors is not supported: they see one "

@@ -226,7 +226,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         ("--speculative-config",),
         "speculative_config",
         'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4} (n-gram prompt lookup; dense models)',
+        '"prompt_lookup_max": 4} (methods ngram, suffix, draft_model with "model": a drafter of the same '
+        "tokenizer; dense models)",
         type=json_object,
     ),
     Flag(

@@ -24,6 +24,7 @@ import torch
 from tokenos.config import CacheConfig, LoRAConfig, SchedulerConfig
 from tokenos.core.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaSpec, cdiv
 from tokenos.core.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenos.core.spec_decode import SpeculativeConfig
 from tokenos.layers import cpu_kernels
 from tokenos.layers.attention import Attention
 from tokenos.layers.attention_metadata import AttentionMetadata, make_attention_metadata
@@ -38,6 +39,8 @@ from tokenos.sample.logits_processor import EngineConfig, LogitsProcessor, build
 from tokenos.sample.metadata import SamplingMetadata
 from tokenos.sample.rejection import RejectionSampler
 from tokenos.sample.sampler import Sampler, compute_prompt_logprobs
+from tokenos.worker.draft_model import PREFIX as DRAFTER_PREFIX
+from tokenos.worker.draft_model import DraftModel, drafter_specs
 from tokenos.worker.input_batch import InputBatch
 from tokenos.worker.kv_cache import allocate_kv_caches
 from tokenos.worker.recurrent import (
@@ -63,10 +66,13 @@ class ModelRunner:
         logits_processors: Sequence[type[LogitsProcessor]] = (),
         scheduler_config: SchedulerConfig | None = None,
         lora_config: LoRAConfig | None = None,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         """``logits_processors``: custom processor classes (`tokenos.sample.logits_processor`), each built
         once with the engine's configs (``scheduler_config`` among them). ``lora_config``: serve LoRA
-        adapters (`tokenos.lora`); the adapters themselves are registered on ``self.lora``."""
+        adapters (`tokenos.lora`); the adapters themselves are registered on ``self.lora``.
+        ``speculative_config`` with method "draft_model": the drafter is loaded here beside the model
+        (`tokenos.worker.draft_model`); other methods propose in the engine core."""
         torch.manual_seed(seed)
         self.num_threads = configure_threads()
         self.model_config = model_config
@@ -75,8 +81,14 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = model_config.max_model_len
         self.model = build_model(model_config)
+        self.drafter = None
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            self.drafter = DraftModel(model_config, speculative_config)
+        # Draft q of the drafts proposed last step, per request (sampling requests only).
+        self.draft_probs: dict[str, torch.Tensor] = {}
         calculate_kv_scales = getattr(cache_config, "calculate_kv_scales", False)
-        for layer in self.model.modules():
+        drafter_modules = self.drafter.model.modules() if self.drafter is not None else ()
+        for layer in (*self.model.modules(), *drafter_modules):
             if isinstance(layer, Attention):  # int8 pages calibrate whatever this says
                 layer.calculate_kv_scales = calculate_kv_scales
         self.lora = LoRAManager(self.model, lora_config, model_config.dtype) if lora_config else None
@@ -140,7 +152,11 @@ class ModelRunner:
         return "C kernel" if all(cpu_kernels.prefill_supported(*s) for s in shapes) else "torch SDPA"
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        return self.model.get_kv_cache_spec(self.cache_config)
+        """The model's cache layers' specs, then the drafter's (named ``drafter.*``), in entry order."""
+        specs = self.model.get_kv_cache_spec(self.cache_config)
+        if self.drafter is None:
+            return specs
+        return {**specs, **drafter_specs(specs, self.drafter.get_kv_cache_spec(self.cache_config))}
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         entries = list(self.get_kv_cache_spec())
@@ -153,6 +169,11 @@ class ModelRunner:
         self.group_entries = {
             g: [i for i, eg in enumerate(self.entry_groups) if eg == g] for g in range(len(groups))
         }
+        if self.drafter is not None:
+            first = next(i for i, name in enumerate(entries) if name.startswith(DRAFTER_PREFIX))
+            groups_of_drafter = self.entry_groups[first:]
+            sizes = {g: self.group_specs[g].block_size for g in groups_of_drafter}
+            self.drafter.bind(groups_of_drafter, sizes)
         max_blocks = [cdiv(self.max_model_len, spec.block_size) for spec in self.group_specs]
         config = EngineConfig(self.model_config, self.scheduler_config, self.cache_config)
         self.input_batch = InputBatch(
@@ -230,6 +251,8 @@ class ModelRunner:
             self.entry_groups,
         )
         hidden = self.model(forward_batch)
+        if self.drafter is not None:
+            self.drafter.run_step(forward_batch, self._drafter_caches())
         if drafts is not None:
             return self._verify_drafts(hidden, inputs, req_ids, drafts, grammar_masks)
 
@@ -329,9 +352,37 @@ class ModelRunner:
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
             prompt_logprobs=self._prompt_logprobs(hidden, req_ids, inputs),
             failed=failed,
+            draft_token_ids=self._propose(req_ids, sampled) if self.drafter is not None else None,
         )
 
     # ------------------------------------------------------------------ speculative decoding
+
+    def _drafter_caches(self) -> list:
+        return self.kv_caches[len(self.kv_caches) - self.drafter.num_entries :]
+
+    def _propose(self, req_ids: list[str], sampled: list[list[int]]) -> dict[str, list[int]]:
+        """The drafter's drafts for every request that sampled this step (now decoding), for the next
+        step; their q kept for its verification. Nothing while the batch is too large to speculate (the
+        scheduler would drop them: `SpeculativeConfig.disable_by_batch_size`), so none are computed."""
+        self.draft_probs = {}
+        batch = self.input_batch
+        rows = [row for row, tokens in enumerate(sampled) if tokens]
+        if not rows or batch.num_reqs > self.drafter.disable_by_batch_size:
+            return {}
+        drafts, probs = self.drafter.propose(batch, rows, self._drafter_caches(), self.max_model_len)
+        self.draft_probs = {req_ids[row]: q for row, q in probs.items()}
+        return {req_ids[row]: d for row, d in drafts.items() if d}
+
+    def _draft_q(self, req_ids: list[str], drafts: list[list[int]]) -> list[torch.Tensor | None] | None:
+        """The drafter's q of each request's scheduled drafts (a prefix of those it proposed: the
+        scheduler cuts from the end); None without a drafter (token-only drafts: q one-hot)."""
+        if self.drafter is None:
+            return None
+        out: list[torch.Tensor | None] = []
+        for rid, d in zip(req_ids, drafts, strict=True):
+            q = self.draft_probs.get(rid)
+            out.append(None if q is None or not d else q[: len(d)])
+        return out
 
     def _place_drafts(self, spec: dict[str, list[int]], req_ids: list[str]) -> list[list[int]] | None:
         """Write each request's draft tokens after its known ones (read as input ids like any token;
@@ -370,7 +421,8 @@ class ModelRunner:
         if grammar_masks:
             apply_grammar_masks(logits, *_draft_mask_rows(req_ids, firsts, width, grammar_masks))
         discard = np.flatnonzero(~sample_mask).tolist()
-        tokens, logprobs, failed = self._spec_sample(logits, firsts, drafts, req_ids, discard)
+        draft_probs = self._draft_q(req_ids, drafts)
+        tokens, logprobs, failed = self._spec_sample(logits, firsts, drafts, req_ids, discard, draft_probs)
         failed = self._failed_adapters(failed)
         sampled_lists: list[list[int]] = []
         out_logprobs: list[list[TokenLogprobs] | None] = []
@@ -395,6 +447,7 @@ class ModelRunner:
         drafts: list[list[int]],
         req_ids: list[str],
         discard: list[int],
+        draft_probs: list[torch.Tensor | None] | None = None,
     ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None], dict[str, str]]:
         """Verify with the rejection sampler; if that fails, every draft counts as rejected and each
         request samples its first position alone through the plain path (which isolates a bad request)."""
@@ -403,7 +456,7 @@ class ModelRunner:
         metadata = sampling.make_spec_metadata(n, drafts)
         states = {row: g.get_state() for row, g in _row_generators(sampling, range(n)).items()}
         try:
-            out = self.rejection_sampler(logits, metadata, drafts)
+            out = self.rejection_sampler(logits, metadata, drafts, draft_probs)
         except Exception:
             logger.exception("speculative verification failed; sampling without the drafts")
             for row, state in states.items():  # the draws are taken again, from where they were

@@ -155,3 +155,6 @@ class ModelRunnerOutput:
     # req_id -> why the step failed for this request alone (its sampling); the scheduler ends it with
     # that error while every other request goes on. Failures of shared state are raised instead.
     failed: dict[str, str] = field(default_factory=dict)
+    # Speculative method "draft_model": req_id -> the drafter's proposals for the next step (vLLM's
+    # take_draft_token_ids), every decoding request's; the scheduler cuts them to its limits.
+    draft_token_ids: dict[str, list[int]] | None = None

@@ -34,7 +34,7 @@ from tokenos.core.sched.forks import ForkTracker
 from tokenos.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from tokenos.core.sched.plan import StepPlan
 from tokenos.core.sched.request_queue import create_request_queue
-from tokenos.core.spec_decode import SpeculativeConfig, make_proposer
+from tokenos.core.spec_decode import DraftModelProposer, SpeculativeConfig, make_proposer
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -99,6 +99,10 @@ class Scheduler:
             )
         self.spec = speculative_config
         self.proposer = make_proposer(speculative_config) if speculative_config is not None else None
+        # A model drafter writes its K/V at the k positions after a request's last token while it proposes
+        # (before the next step schedules them): slots the allocation reserves ahead, publishing nothing.
+        drafter = speculative_config is not None and speculative_config.method == "draft_model"
+        self.num_lookahead = speculative_config.num_speculative_tokens if drafter else 0
         self.spec_stats = SpecStats(speculative_config.num_speculative_tokens if speculative_config else 0)
         self.max_loras = max_loras
         # Called with every request the scheduler lets go (finished, aborted): the engine releases its
@@ -225,6 +229,10 @@ class Scheduler:
             num_new = self.max_model_len - num_computed
         return num_new
 
+    def _lookahead(self, num_tokens: int) -> int:
+        """Slots to reserve past a request's first ``num_tokens`` for its drafter (0 without one)."""
+        return min(self.num_lookahead, self.max_model_len - num_tokens) if self.num_lookahead else 0
+
     def _schedule_running(self, plan: StepPlan) -> None:
         """Running requests first, in order (FCFS: oldest first; priority: as admitted), preempting
         from the back (or by priority) when the pool runs dry."""
@@ -245,7 +253,8 @@ class Scheduler:
                 req.spec_token_ids = []
             removed = kv.remove_skipped_blocks(req) if has_skipping else None
             while True:
-                alloc = kv.allocate_slots(req, num_new, num_draft_tokens=len(drafts))
+                look = self._lookahead(n + num_new)
+                alloc = kv.allocate_slots(req, num_new + look, num_draft_tokens=len(drafts) + look)
                 if alloc.ok:
                     break
                 victim = self._select_victim()
@@ -279,7 +288,10 @@ class Scheduler:
             num_new = self.chunking.num_tokens(req, num_hit, num_new, plan.budget, self.forks.stop_point(req))
             if num_new <= 0:
                 break
-            alloc = kv.allocate_slots(req, num_new, hit, num_tokens_to_reserve=req.num_tokens)
+            look = self._lookahead(num_hit + num_new) if num_hit + num_new == req.num_tokens else 0
+            alloc = kv.allocate_slots(
+                req, num_new + look, hit, num_tokens_to_reserve=req.num_tokens, num_draft_tokens=look
+            )
             if not alloc.ok:
                 break  # head of line waits for memory
             waiting.pop()
@@ -402,6 +414,8 @@ class Scheduler:
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         if self.proposer is not None:
+            if isinstance(self.proposer, DraftModelProposer):
+                self.proposer.take(model_runner_output.draft_token_ids or {})
             self._propose_drafts()
         return outputs
 

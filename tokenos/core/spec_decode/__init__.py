@@ -1,19 +1,24 @@
-"""Speculative decoding's token-only half: the config and the proposers that run in the engine core.
+"""Speculative decoding's engine-core half: the config and the proposers that run in the engine core.
 
 A proposer guesses each decoding request's next tokens from its tokens alone (no model); the scheduler
 schedules them beside the request's last token and the worker verifies them in the same forward pass
-(`tokenos.sample.rejection`). Pure Python, like the rest of `tokenos.core`.
+(`tokenos.sample.rejection`). A model drafter ("draft_model") runs in the worker; its proposer here only
+hands the worker's drafts on (`draft_model.DraftModelProposer`). Pure Python, like the rest of
+`tokenos.core`.
 """
 
 from tokenos.core.spec_decode.config import SpeculativeConfig
+from tokenos.core.spec_decode.draft_model import DraftModelProposer
 from tokenos.core.spec_decode.ngram import NgramProposer
 from tokenos.core.spec_decode.suffix import SuffixProposer
 
-__all__ = ["NgramProposer", "SpeculativeConfig", "SuffixProposer", "make_proposer"]
+__all__ = ["DraftModelProposer", "NgramProposer", "SpeculativeConfig", "SuffixProposer", "make_proposer"]
 
 
-def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer:
+def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer | DraftModelProposer:
     """The proposer `config.method` names."""
+    if config.method == "draft_model":
+        return DraftModelProposer(config.num_speculative_tokens)
     if config.method == "suffix":
         return SuffixProposer(
             config.num_speculative_tokens,
