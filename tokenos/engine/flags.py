@@ -226,7 +226,7 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         ("--speculative-config",),
         "speculative_config",
         'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-        '"prompt_lookup_max": 4} (n-gram prompt lookup; dense models)',
+        '"prompt_lookup_max": 4} (n-gram prompt lookup, or suffix; dense and hybrid models)',
         type=json_object,
     ),
     Flag(
