@@ -14,12 +14,25 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.fixtures.scheduler_sim import LAYOUTS, make_engine, make_request, mamba, next_token, step
+from tests.fixtures.scheduler_sim import (
+    FINE_LAYOUTS,
+    LAYOUTS,
+    attn,
+    make_engine,
+    make_request,
+    mamba,
+    next_token,
+    step,
+)
 from tokenos.config import CacheConfig
 from tokenos.core.request import RequestStatus
 from tokenos.core.spec_decode import NgramProposer, SpeculativeConfig
 
 DENSE = ("full", "sliding+full")
+# Hybrids: the fake worker's verify pass runs the recurrence over the drafts and then commits the state
+# after the kept tokens; the checker fails any published checkpoint that is not its prefix's state, and
+# any step that starts from a state other than its computed tokens'.
+ALL_LAYOUTS = tuple(LAYOUTS)
 
 
 def brute_force(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
@@ -112,7 +125,11 @@ def run(
     layout: str, prompts: list[list[int]], spec: bool, seed: int = 0, n: int = 1, **kw
 ) -> dict[str, list[int]]:
     config = SpeculativeConfig(num_speculative_tokens=3, disable_by_batch_size=64) if spec else None
-    s, w, checker = make_engine(*LAYOUTS[layout](), speculative_config=config, **kw)
+    cache = CacheConfig(block_size=4, mamba_checkpoint_at_end=layout in FINE_LAYOUTS)
+    specs = LAYOUTS[layout]()
+    if "num_blocks" in kw and layout not in DENSE:  # a pool that preempts, sized for every group's pages
+        kw = {**kw, "num_blocks": kw["num_blocks"] * len(specs)}
+    s, w, checker = make_engine(*specs, speculative_config=config, cache=cache, **kw)
     if spec:
         s.proposer = Oracle(3, seed, silent_every=(0, 2, 3)[seed % 3])
     outputs: dict[str, list[int]] = {}
@@ -137,7 +154,7 @@ def run(
     return outputs
 
 
-@pytest.mark.parametrize("layout", DENSE)
+@pytest.mark.parametrize("layout", ALL_LAYOUTS)
 @pytest.mark.parametrize(
     "kw",
     [
@@ -158,7 +175,7 @@ def test_speculation_changes_nothing_but_the_step_count(layout, kw):
         assert run(layout, prompts, spec=True, seed=seed, **kw) == plain
 
 
-@pytest.mark.parametrize("layout", DENSE)
+@pytest.mark.parametrize("layout", ALL_LAYOUTS)
 def test_forked_siblings_speculate_like_everyone(layout):
     rng = random.Random(8)
     prompts = [[rng.randrange(1, 50) for _ in range(rng.randint(5, 14))] for _ in range(3)]
@@ -233,6 +250,19 @@ def test_large_batches_get_no_drafts_and_grammars_cut_them():
     assert not s.requests["r0"].spec_token_ids and s.requests["r1"].spec_token_ids
 
 
-def test_hybrid_models_refuse_speculation_for_now():
-    with pytest.raises(ValueError, match="hybrid"):
-        make_engine(*LAYOUTS["full"](), mamba(4), cache=CacheConfig(), speculative_config=SpeculativeConfig())
+def test_align_hybrids_cap_drafts_at_one_boundary_per_step():
+    """ "align" keeps the previous and the running column: a verify step may cross one checkpoint boundary,
+    so drafts are capped at block_size - 1 (an interval of 1 leaves none: refused); "all" and "none" are
+    not capped."""
+    config = SpeculativeConfig(num_speculative_tokens=6)
+    assert make_engine(attn(8), mamba(4), speculative_config=config)[0].max_drafts == 3
+    for mode in ("all", "none"):
+        assert make_engine(attn(8), mamba(4, mode), speculative_config=config)[0].max_drafts == 6
+    with pytest.raises(ValueError, match="no room for drafts"):
+        make_engine(attn(8), mamba(1), speculative_config=config)
+    s, w, checker = make_engine(attn(8), mamba(4), speculative_config=config)
+    s.proposer = Oracle(6, 0)
+    s.add_request(make_request("a", [5, 6, 7], max_tokens=20, ignore_eos=True))
+    for _ in range(8):
+        out, _ = step(s, w, checker)
+        assert all(len(d) <= 3 for d in out.scheduled_spec_decode_tokens.values())

@@ -44,7 +44,8 @@ def advance_states(
     [R_p, ...])`` the others, returning ``(rows in layout.token_src order, boundary states [R_p, chunks + 1,
     ...])``. Final states are written in place. When checkpointing, chunks are aligned to absolute multiples
     of ``gcd(chunk_size, checkpoint_every)`` so every checkpoint is a chunk boundary; returns the states at
-    ``batch.checkpoint_positions(checkpoint_every)`` (None if there are none or no checkpointing).
+    ``batch.snapshot_positions(checkpoint_every)`` (the checkpoints, then every position of each verifying
+    request, `RecurrentBatch.verify_reqs`; None if there are none or nothing is kept).
     """
     decoded = boundary = layout = None
     if batch.decode_reqs:
@@ -58,19 +59,54 @@ def advance_states(
         last = torch.tensor(layout.chunks_per_req, device=state.device)
         final = boundary[torch.arange(len(last), device=state.device), last]
         batch.write_states(state, batch.prefill_reqs, final)
-    if checkpoint_every is None:
+    verified = _step_through(batch, state, out, step) if batch.verify_reqs else None
+    positions = batch.snapshot_positions(checkpoint_every)
+    if positions is None:
         return None
-    # A decode request's only reachable state is its new one; a prefill request's are chunk boundaries.
+    # A decode request's only reachable state is its new one; a prefill request's are chunk boundaries;
+    # a verifying request's are all of its positions.
     decode_pos = {r: i for i, r in enumerate(batch.decode_reqs)}
     prefill_pos = {r: i for i, r in enumerate(batch.prefill_reqs)}
+    verify_pos = {pos: i for i, pos in enumerate(batch.verify_positions)}
     picked = []
-    for r, n in batch.checkpoint_positions(checkpoint_every):
+    for r, n in positions:
         if r in decode_pos:
             picked.append(decoded[decode_pos[r]])
-        else:
+        elif r in prefill_pos:
             p = prefill_pos[r]
             picked.append(boundary[p, layout.chunk_of(p, n) + 1])
+        else:
+            picked.append(verified[verify_pos[r, n]])
     return torch.stack(picked) if picked else None
+
+
+def _step_through(
+    batch: RecurrentBatch,
+    state: torch.Tensor,
+    out: torch.Tensor,
+    step: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> torch.Tensor:
+    """Advance the verifying requests one token at a time (all of them together at each offset), keeping
+    the state after every token: ``[len(batch.verify_positions), ...]``, final states written in place.
+
+    Token steps rather than a scan: the states after every position are what a scan with chunks of one
+    would give, and the step is exactly plain decoding's arithmetic, so an accepted prefix leaves the
+    state decoding it would have (speculation changes no rounding of the recurrent state)."""
+    reqs = batch.verify_reqs
+    starts = [batch.query_start_loc[r] for r in reqs]
+    lengths = [batch.lengths[r] for r in reqs]
+    current = batch.read_states(state, reqs)
+    kept: list[list[torch.Tensor]] = [[] for _ in reqs]
+    for t in range(max(lengths)):
+        active = [i for i, n in enumerate(lengths) if n > t]
+        rows = torch.tensor(active, dtype=torch.long, device=state.device)
+        tok = torch.tensor([starts[i] + t for i in active], dtype=torch.long, device=state.device)
+        out[tok], new = step(current.index_select(0, rows), tok)
+        current = current.index_copy(0, rows, new)
+        for k, i in enumerate(active):
+            kept[i].append(new[k])
+    batch.write_states(state, reqs, current)
+    return torch.stack([s for per_req in kept for s in per_req])
 
 
 def make_checkpoints(

@@ -195,7 +195,7 @@ class GatedDeltaNet(RecurrentLayer):
         if n != batch.num_tokens:
             raise ValueError(f"hidden_states has {n} tokens, the batch {batch.num_tokens}")
         mixed, z, b, a = self._project(hidden_states)
-        positions = None if checkpoint_every is None else batch.checkpoint_positions(checkpoint_every)
+        positions = batch.snapshot_positions(checkpoint_every)
         mixed, conv_snaps = causal_conv1d_varlen(
             mixed, self.conv1d.weight[:, 0], None, conv_state, batch, positions
         )

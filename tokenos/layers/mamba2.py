@@ -215,7 +215,7 @@ class Mamba2Mixer(RecurrentLayer):
             raise ValueError(f"hidden_states has {num_tokens} tokens, the batch {batch.num_tokens}")
         proj = F.linear(hidden_states, self.in_proj.weight, self.in_proj.bias)
         gate, xbc, dt = proj.split([d.intermediate_size, d.conv_dim, d.num_heads], dim=-1)
-        positions = None if checkpoint_every is None else batch.checkpoint_positions(checkpoint_every)
+        positions = batch.snapshot_positions(checkpoint_every)
         xbc, conv_snaps = causal_conv1d_varlen(
             xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_state, batch, positions
         )

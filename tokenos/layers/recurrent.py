@@ -69,14 +69,19 @@ class RecurrentLayer(CacheLayer):
 
     def forward(self, hidden_states: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """``[num_tokens, hidden]`` -> ``[num_tokens, hidden]``, advancing this layer's pool entry in place;
-        in "all" mode the states at the step's block boundaries are written to their checkpoint pages too."""
+        in "all" mode the states at the step's block boundaries are written to their checkpoint pages too,
+        and the states after every position of a request verifying drafts are kept on the batch."""
         (conv, state), rbatch = self.cache_entry(batch)
-        if rbatch.checkpoint_every is None:
+        if rbatch.checkpoint_every is None and not rbatch.verify_reqs:
             return self.advance(hidden_states, rbatch, conv, state)
-        out, ckpt = self.advance_with_checkpoints(hidden_states, rbatch, conv, state, rbatch.checkpoint_every)
-        if len(ckpt.req_indices):
-            conv.index_copy_(0, rbatch.checkpoint_pages, ckpt.conv_states.to(conv.dtype))
-            state.index_copy_(0, rbatch.checkpoint_pages, ckpt.recurrent_states.to(state.dtype))
+        out, snaps = self._run(hidden_states, rbatch, conv, state, rbatch.checkpoint_every)
+        assert snaps is not None
+        num = 0 if rbatch.checkpoint_pages is None else len(rbatch.checkpoint_pages)
+        if num:
+            conv.index_copy_(0, rbatch.checkpoint_pages, snaps.conv_states[:num].to(conv.dtype))
+            state.index_copy_(0, rbatch.checkpoint_pages, snaps.recurrent_states[:num].to(state.dtype))
+        if rbatch.verify_reqs:
+            rbatch.keep_verified(conv, state, snaps.conv_states[num:], snaps.recurrent_states[num:])
         return out
 
     def advance(

@@ -6,6 +6,13 @@ tokens, and writes back in place. Prefill and decode are not modes: a request wi
 cheap recurrent step, a longer one the chunk-parallel scan, both in the same call. The batch is built once
 per step by the worker and shared by every recurrent layer of one KV-cache group, so the per-request index
 work (which rows, which requests decode, where checkpoints go) is done once, not per layer.
+
+Speculative verification (``verify_reqs``): a request verifying drafts keeps the state after EVERY one of
+its new tokens, produced by the same pass (it is stepped token by token, the arithmetic plain decoding
+does, so the state it ends on after acceptance is the one decoding those tokens would have left). The
+layers hand those states to the batch (`keep_verified`); once the rejection sampler has spoken, the
+worker writes the accepted one over the running state (`tokenos.worker.recurrent.commit_verified`): a
+select, never a second forward pass.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ class RecurrentBatch:
             after every absolute multiple ``b`` of ``checkpoint_every`` with ``n < b <= n + k`` into
             ``checkpoint_pages`` (one page per boundary, in ``checkpoint_positions`` order: by request, then
             by position). Needs ``num_computed_tokens``.
+        verify_reqs: requests (with more than one new token) verifying speculative drafts: the conv and
+            recurrent states after each of their new tokens are kept (``verify_positions``).
     """
 
     def __init__(
@@ -41,6 +50,7 @@ class RecurrentBatch:
         num_computed_tokens: torch.Tensor | None = None,
         checkpoint_every: int | None = None,
         checkpoint_pages: torch.Tensor | None = None,
+        verify_reqs: list[int] | None = None,
     ) -> None:
         qsl = [int(v) for v in query_start_loc.tolist()]
         if len(qsl) < 1 or qsl[0] != 0 or any(b < a for a, b in zip(qsl, qsl[1:], strict=False)):
@@ -60,9 +70,14 @@ class RecurrentBatch:
         self.num_computed_tokens = (
             None if num_computed_tokens is None else [int(v) for v in num_computed_tokens.tolist()]
         )
-        # One new token: the recurrent step. More: the chunked scan. Zero: nothing to do.
+        self.verify_reqs = self._check_verify(verify_reqs or [])
+        # One new token: the recurrent step. More: the chunked scan (verifying requests: token steps).
+        # Zero: nothing to do.
+        verifying = set(self.verify_reqs)
         self.decode_reqs = [r for r, n in enumerate(self.lengths) if n == 1]
-        self.prefill_reqs = [r for r, n in enumerate(self.lengths) if n > 1]
+        self.prefill_reqs = [r for r, n in enumerate(self.lengths) if n > 1 and r not in verifying]
+        # (conv pool, recurrent pool, conv states, recurrent states) per layer, in verify_positions order.
+        self.verified: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.decode_token_index = torch.tensor(
             [qsl[r] for r in self.decode_reqs], dtype=torch.long, device=self.device
         )
@@ -76,6 +91,34 @@ class RecurrentBatch:
         self.all_decode = self.num_reqs > 0 and len(self.decode_reqs) == self.num_reqs
         self.checkpoint_every = checkpoint_every
         self.checkpoint_pages = self._check_checkpoints(checkpoint_every, checkpoint_pages)
+
+    def _check_verify(self, reqs: list[int]) -> list[int]:
+        reqs = sorted(int(r) for r in reqs)
+        bad = [r for r in reqs if not 0 <= r < self.num_reqs or self.lengths[r] < 2]
+        if bad or len(set(reqs)) != len(reqs):
+            raise ValueError(f"verify_reqs {reqs}: each a distinct request with at least 2 new tokens")
+        return reqs
+
+    @property
+    def verify_positions(self) -> list[tuple[int, int]]:
+        """``(request, tokens into this step)`` after every new token of every verifying request."""
+        return [(r, t) for r in self.verify_reqs for t in range(1, self.lengths[r] + 1)]
+
+    def snapshot_positions(self, checkpoint_every: int | None) -> list[tuple[int, int]] | None:
+        """Where a layer's pass keeps states: the checkpoint positions, then the verify positions (None:
+        nowhere, the layer need not keep any)."""
+        if checkpoint_every is None and not self.verify_reqs:
+            return None
+        ckpt = [] if checkpoint_every is None else self.checkpoint_positions(checkpoint_every)
+        return ckpt + self.verify_positions
+
+    def keep_verified(
+        self, conv_pool: torch.Tensor, state_pool: torch.Tensor, conv: torch.Tensor, state: torch.Tensor
+    ) -> None:
+        """A layer's states at ``verify_positions`` (and the pools they belong in), until the commit."""
+        if len(conv) != len(self.verify_positions) or len(state) != len(conv):
+            raise ValueError(f"{len(conv)} verified states for {len(self.verify_positions)} positions")
+        self.verified.append((conv_pool, state_pool, conv, state))
 
     def _check_checkpoints(self, every: int | None, pages: torch.Tensor | None) -> torch.Tensor | None:
         if (every is None) != (pages is None):

@@ -48,6 +48,7 @@ from tokenos.worker.recurrent import (
     apply_state_copies,
     boundary_pages,
     build_recurrent_batch,
+    commit_verified,
 )
 from tokenos.worker.step_inputs import StepInputs, prepare_step_inputs, slot_mapping
 
@@ -242,7 +243,10 @@ class ModelRunner:
             self.lora.set_step(self._adapter_segments(req_ids, inputs), len(inputs.input_ids))
 
         self._copy_pages(scheduler_output)
-        group_metadata = [self._group_metadata(g, spec, inputs) for g, spec in enumerate(self.group_specs)]
+        verify = [row for row, d in enumerate(drafts) if d] if drafts is not None else None
+        group_metadata = [
+            self._group_metadata(g, spec, inputs, verify) for g, spec in enumerate(self.group_specs)
+        ]
         forward_batch = ForwardBatch.for_groups(
             torch.from_numpy(inputs.input_ids),
             torch.from_numpy(inputs.positions),
@@ -254,7 +258,9 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.run_step(forward_batch, self._drafter_caches())
         if drafts is not None:
-            return self._verify_drafts(hidden, inputs, req_ids, drafts, grammar_masks)
+            out = self._verify_drafts(hidden, inputs, req_ids, drafts, grammar_masks)
+            self._commit_recurrent(group_metadata, out.sampled_token_ids)
+            return out
 
         seq_after = inputs.seq_lens
         sample_mask = seq_after >= batch.num_tokens[:n]
@@ -511,14 +517,17 @@ class ModelRunner:
             )
 
     def _group_metadata(
-        self, g: int, spec: KVCacheSpec, inputs: StepInputs
+        self, g: int, spec: KVCacheSpec, inputs: StepInputs, verify: list[int] | None = None
     ) -> AttentionMetadata | RecurrentBatch:
         if isinstance(spec, MambaSpec):
-            return self._recurrent_metadata(g, spec, inputs)
+            return self._recurrent_metadata(g, spec, inputs, verify)
         return self._attention_metadata(g, spec.block_size, inputs)
 
-    def _recurrent_metadata(self, g: int, spec: MambaSpec, inputs: StepInputs) -> RecurrentBatch:
-        """The running state page of each request: column (n + k - 1) // B of its block list."""
+    def _recurrent_metadata(
+        self, g: int, spec: MambaSpec, inputs: StepInputs, verify: list[int] | None = None
+    ) -> RecurrentBatch:
+        """The running state page of each request: column (n + k - 1) // B of its block list; rows in
+        ``verify`` (verifying drafts) keep their state after every position for `_commit_recurrent`."""
         n, num_sched, num_computed = inputs.num_reqs, inputs.num_scheduled, inputs.num_computed
         table = self.input_batch.block_tables[g]
         if spec.cache_mode == "none":
@@ -528,10 +537,22 @@ class ModelRunner:
         running = table.table[np.arange(n), columns].astype(np.int64)
         qsl = np.concatenate(([0], np.cumsum(num_sched)))
         if spec.cache_mode != "all":
-            return build_recurrent_batch(qsl, num_computed, num_sched, running)
+            return build_recurrent_batch(qsl, num_computed, num_sched, running, verify_reqs=verify)
         # "all": also write the state at every block boundary crossed to that column's page.
         pages = boundary_pages(table.table[:n], num_computed, num_sched, spec.block_size)
-        return build_recurrent_batch(qsl, num_computed, num_sched, running, pages, spec.block_size)
+        return build_recurrent_batch(
+            qsl, num_computed, num_sched, running, pages, spec.block_size, verify_reqs=verify
+        )
+
+    def _commit_recurrent(self, group_metadata: list, sampled: list[list[int]]) -> None:
+        """Hybrids after verification: each request's state after the tokens it kept (accepted drafts + 1,
+        ``len(sampled[row])``) becomes its running state, selected from what the verify pass kept."""
+        kept = [len(tokens) for tokens in sampled]
+        for g, meta in enumerate(group_metadata):
+            if isinstance(meta, RecurrentBatch) and meta.verify_reqs:
+                spec = self.group_specs[g]
+                table = self.input_batch.block_tables[g].table
+                commit_verified(meta, kept, table, spec.block_size, spec.cache_mode)
 
     def _attention_metadata(self, g: int, block_size: int, inputs: StepInputs) -> AttentionMetadata:
         n = inputs.num_reqs

@@ -22,10 +22,13 @@ the layers write them from the same scan (``RecurrentBatch.checkpoint_pages``).
 page boundary (``SchedulerOutput.prefix_page_copies``; attention or recurrent groups alike: a whole-page
 copy from a source block id into a column of the request's list).
 
-Rollback (speculative decoding): recurrent state cannot be truncated like attention K/V. ``rollback``
-restores the running page from a checkpoint page (``restore_checkpoint``) and re-advances ONLY the accepted
-tokens from there (``readvance_batch`` is the one-request batch that does it), so rejected draft tokens
-leave no trace in the state.
+Speculative decoding: recurrent state cannot be truncated like attention K/V. The verify pass keeps the
+state after every verified position of each request with drafts (``build_recurrent_batch(...,
+verify_reqs=...)``, `RecurrentBatch.verify_reqs`); once j drafts are accepted, ``commit_verified`` writes
+the state after its j + 1 kept tokens into the page of column ``running_column(n, j + 1)``, where the
+scheduler's contract looks for it next step: a select, no second pass, and rejected drafts leave no trace.
+(``rollback`` is the older alternative, restore a checkpoint and re-advance the accepted tokens with a
+second forward; the engine does not use it.)
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ def build_recurrent_batch(
     running_block_ids: np.ndarray,
     checkpoint_pages: np.ndarray | None = None,
     block_size: int | None = None,
+    verify_reqs: list[int] | None = None,
 ) -> RecurrentBatch:
     """The step's metadata for one recurrent group, its layers' state pools addressed by page id.
 
@@ -92,6 +96,8 @@ def build_recurrent_batch(
     uses); ``running_block_ids[r]`` is request r's page of column ``(n + k - 1) // B``. A request with
     ``num_computed == 0`` starts from zeros whatever its page holds (a recycled page needs no clearing).
     "all" mode: also pass ``checkpoint_pages`` (``boundary_pages(...)``) and the group's ``block_size``.
+    ``verify_reqs``: the requests verifying speculative drafts (their every state is kept for
+    ``commit_verified``).
     """
     num_computed = np.asarray(num_computed, dtype=np.int64)
     num_scheduled = np.asarray(num_scheduled, dtype=np.int64)
@@ -111,7 +117,11 @@ def build_recurrent_batch(
             f"query_start_loc lengths {lengths.tolist()} != num_scheduled {num_scheduled.tolist()}"
         )
     args = (qsl, torch.from_numpy(num_computed > 0))
-    kwargs = dict(state_indices=torch.from_numpy(running), num_computed_tokens=torch.from_numpy(num_computed))
+    kwargs = dict(
+        state_indices=torch.from_numpy(running),
+        num_computed_tokens=torch.from_numpy(num_computed),
+        verify_reqs=verify_reqs,
+    )
     if checkpoint_pages is None:
         return RecurrentBatch(*args, **kwargs)
     if block_size is None:
@@ -191,6 +201,47 @@ def apply_prefix_page_copies(
             dst_page = block_ids_of(req_id, g)[dst]
             _add_page_copy(pages, g, src_page, dst_page, f"request {req_id!r} group {g}: prefix page copy")
     return _copy_pages(pages, group_layers, kv_caches)
+
+
+def commit_verified(
+    batch: RecurrentBatch,
+    num_kept: Sequence[int],
+    block_table: np.ndarray,
+    block_size: int,
+    cache_mode: str = "align",
+) -> int:
+    """After speculative verification: make the state after each verifying request's kept tokens its
+    running state. ``num_kept[r]`` is how many of request r's new tokens stand (accepted drafts + 1; 0:
+    none, the request failed and its pages are not trusted). The state after them, kept by the verify pass
+    (`RecurrentBatch.keep_verified`), is copied into page ``block_table[r, running_column(n, kept)]`` of
+    every layer of the group: the column the next step's state copy reads (with drafts crossing a page
+    boundary and some rejected, an earlier column than the verify pass ended in). Returns the requests
+    whose running page was written.
+    """
+    if not batch.verify_reqs:
+        return 0
+    index: list[int] = []
+    pages: list[int] = []
+    offset = 0
+    for r in batch.verify_reqs:
+        n, k, kept = batch.num_computed_tokens[r], batch.lengths[r], int(num_kept[r])
+        if not 0 <= kept <= k:
+            raise ValueError(f"request {r} kept {kept} of its {k} verified tokens")
+        page = int(block_table[r, running_column(n, kept, block_size, cache_mode)])
+        # All kept and still the same page: the pass already left that state there.
+        if kept and (kept < k or page != int(batch.state_rows[r])):
+            if page == NULL_BLOCK:
+                raise ValueError(f"request {r}: its page for the state after {n + kept} tokens is null")
+            index.append(offset + kept - 1)
+            pages.append(page)
+        offset += k
+    if not pages:
+        return 0
+    idx, dst = torch.tensor(index), torch.tensor(pages)
+    for conv_pool, state_pool, conv, state in batch.verified:
+        conv_pool.index_copy_(0, dst, conv.index_select(0, idx).to(conv_pool.dtype))
+        state_pool.index_copy_(0, dst, state.index_select(0, idx).to(state_pool.dtype))
+    return len(pages)
 
 
 def restore_checkpoint(layer_caches: Sequence, checkpoint_page: int, running_page: int) -> None:

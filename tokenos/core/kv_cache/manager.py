@@ -166,10 +166,11 @@ class KVCacheManager:
         """Copy-on-write copies the request's hit (prefix or fork) needs before its first step."""
         return self.cow.take_copies(request.request_id)
 
-    def after_step(self, request: Request) -> None:
-        """A step of the request has run: publish the recurrent checkpoints it reached, and give back
-        the copy-on-write sources its first step copied."""
-        if self.has_recurrent_caching:
+    def after_step(self, request: Request, publish: bool = True) -> None:
+        """A step of the request has run and its tokens are appended: publish the recurrent checkpoints
+        it reached (not with ``publish`` False: its pages may hold a state past the computed tokens), and
+        give back the copy-on-write sources its first step copied."""
+        if publish and self.has_recurrent_caching:
             self.coordinator.cache_recurrent_blocks(request)
         if self.cow.borrowed:
             self.cow.release(request.request_id)
@@ -179,11 +180,12 @@ class KVCacheManager:
         `KVCacheCoordinator.fork_hit`); the parent must not have advanced past the fork point."""
         return self.coordinator.fork_hit(parent.request_id, fork_point)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, publish_end: bool = True) -> None:
         """Give back a request that finished, was aborted or preempted between steps: every step
         counted in its computed tokens has run, so (end checkpoints on) the exact state after them
-        is published first, for the next turn or its own resumption."""
-        if self.fine is not None:
+        is published first, for the next turn or its own resumption (not with ``publish_end`` False: a
+        stop inside verified drafts left the running state past the computed tokens)."""
+        if publish_end and self.fine is not None:
             self.fine.publish_end(request)
         self._release(request)
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 
 from tokenos.config import CacheConfig, SchedulerConfig
 from tokenos.core.kv_cache.manager import KVCacheManager
-from tokenos.core.kv_cache.spec import KVCacheConfig
+from tokenos.core.kv_cache.spec import KVCacheConfig, MambaSpec
 from tokenos.core.messages import EngineCoreOutput, FinishReason
 from tokenos.core.request import Request, RequestStatus
 from tokenos.core.sched.chunking import ChunkPolicy
@@ -92,11 +92,7 @@ class Scheduler:
         self.last_step_tokens = 0
         self.last_step_first_scheduled: dict[str, float] = {}
         # Speculative decoding: the proposer (None: off) and the cumulative acceptance counters.
-        if speculative_config is not None and self.kv_cache_manager.has_recurrent:
-            raise ValueError(
-                "speculative decoding on hybrid (recurrent-state) models is not built yet: "
-                "serve this model without speculative_config."
-            )
+        self.max_drafts = _max_drafts(kv_cache_config, speculative_config) if speculative_config else 0
         self.spec = speculative_config
         self.proposer = make_proposer(speculative_config) if speculative_config is not None else None
         # A model drafter writes its K/V at the k positions after a request's last token while it proposes
@@ -153,13 +149,15 @@ class Scheduler:
         if drop_running:
             self.running = [r for r in self.running if r.status == _RUNNING]
 
-    def _free_request(self, req: Request, failed_step_start: int | None = None) -> None:
+    def _free_request(
+        self, req: Request, failed_step_start: int | None = None, publish_end: bool = True
+    ) -> None:
         if self.proposer is not None:
             self.proposer.forget(req.request_id)
         if self.forks.waiters:
             self.forks.release(req, fork=False)  # an aborted parent: siblings go on alone
         if failed_step_start is None:
-            self.kv_cache_manager.free(req)
+            self.kv_cache_manager.free(req, publish_end)
         else:
             self.kv_cache_manager.free_failed_step(req, failed_step_start)
         del self.requests[req.request_id]
@@ -359,20 +357,21 @@ class Scheduler:
             req = requests.get(rid)
             if req is None or req.status != _RUNNING:
                 continue  # aborted or preempted since it was scheduled
-            after_step(req)
-            if forks.waiters:
-                forks.after_step(req)
-            if failed and rid in failed:
-                outputs.append(self._fail(req, failed[rid], scheduler_output.num_scheduled_tokens[rid]))
-                any_finished = True
-                continue
             i = index.get(rid)
             tokens = sampled[i] if i is not None else None
-            if spec_tokens and tokens and rid in spec_tokens:
-                # Drafts the worker rejected were computed but are not the request's: take them back.
-                drafts = len(spec_tokens[rid])
-                req.num_computed_tokens -= drafts + 1 - len(tokens)
-                self.spec_stats.record(drafts, len(tokens) - 1)
+            num_scheduled = scheduler_output.num_scheduled_tokens[rid]
+            if spec_tokens and rid in spec_tokens:
+                # Drafts the worker rejected were computed but are not the request's: take them back
+                # BEFORE anything is published (after_step), so no recurrent checkpoint inside them is.
+                num_scheduled -= self._take_back_rejected(req, len(spec_tokens[rid]), tokens)
+            if failed and rid in failed:
+                after_step(req)
+                if forks.waiters:
+                    forks.after_step(req)
+                outputs.append(self._fail(req, failed[rid], num_scheduled))
+                any_finished = True
+                continue
+            num_kept = len(tokens) if tokens else 0
             finished = False
             new_lp = None
             # Tokens sampled for a partial prefill chunk are not real outputs: ignore them.
@@ -390,6 +389,15 @@ class Scheduler:
                     new_lp = [(lp.token_ids, lp.logprobs, lp.rank) for lp in logprobs[i][: len(tokens)]]
             else:
                 tokens = None
+            # Recurrent checkpoints are published once the step's tokens are appended (their hashes
+            # name them). A stop inside a verified run keeps fewer tokens than the worker's state
+            # summarizes: count only those, and publish no recurrent state of this step.
+            exact = not (finished and tokens and len(tokens) < num_kept)
+            if not exact:
+                req.num_computed_tokens -= num_kept - len(tokens)
+            after_step(req, publish=exact)
+            if forks.waiters:
+                forks.after_step(req)
             plp = prompt_logprobs.get(rid) if prompt_logprobs else None
             if tokens or finished or plp is not None:
                 if plp is not None:
@@ -410,7 +418,7 @@ class Scheduler:
                 )
             if finished:
                 any_finished = True
-                self._free_request(req)
+                self._free_request(req, publish_end=exact)
         if any_finished:
             self.running = [r for r in self.running if r.status == _RUNNING]
         if self.proposer is not None:
@@ -418,6 +426,16 @@ class Scheduler:
                 self.proposer.take(model_runner_output.draft_token_ids or {})
             self._propose_drafts()
         return outputs
+
+    def _take_back_rejected(self, req: Request, num_drafts: int, tokens: list[int] | None) -> int:
+        """Take the rejected drafts of a verify step out of ``num_computed_tokens``; returns how many.
+        Nothing kept (the request failed) takes back the whole step but its start."""
+        kept = len(tokens) if tokens else 0
+        taken = num_drafts + 1 - kept
+        req.num_computed_tokens -= taken
+        if tokens:
+            self.spec_stats.record(num_drafts, kept - 1)
+        return taken
 
     def _propose_drafts(self) -> None:
         """Drafts for every decoding request, for the next step; none while the batch is so large that
@@ -435,7 +453,7 @@ class Scheduler:
                 req.spec_token_ids = []
                 continue
             # Room for the drafts and the one token after them within max_tokens and max_model_len.
-            drafts = propose(req, req.max_total_tokens - len(tokens) - 1)
+            drafts = propose(req, min(req.max_total_tokens - len(tokens) - 1, self.max_drafts))
             if drafts and req.grammar is not None:
                 drafts = self._grammar_drafts(req.grammar, drafts)
             req.spec_token_ids = drafts
@@ -510,6 +528,24 @@ class SpecStats:
             "num_accepted_tokens": self.num_accepted_tokens,
             "accepted_per_pos": list(self.accepted_per_pos),
         }
+
+
+def _max_drafts(config: KVCacheConfig, spec: SpeculativeConfig) -> int:
+    """Drafts one verify step may carry. An "align"-mode recurrent group keeps pages only in the previous
+    and the running column, so the state after an accepted prefix has a page only if a verify step (the
+    last token + the drafts) crosses at most one checkpoint boundary: at most block_size - 1 drafts."""
+    cap = spec.num_speculative_tokens
+    for group in config.kv_cache_groups:
+        s = group.kv_cache_spec
+        if isinstance(s, MambaSpec) and s.cache_mode == "align":
+            cap = min(cap, s.block_size - 1)
+    if cap < 1:
+        raise ValueError(
+            "speculative decoding on this hybrid model: a recurrent checkpoint interval of 1 token in "
+            "mamba_cache_mode 'align' leaves no room for drafts. Use a larger mamba_checkpoint_interval "
+            "or mamba_cache_mode 'all' or 'none'."
+        )
+    return cap
 
 
 def _adapter_names(requests: Iterable[Request]) -> list[str]:
