@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.fixtures.checkpoints import LLM_SHAPE, TINY, hf_config, perturb
+from tests.fixtures.checkpoints import GPT_OSS_YARN, LLM_SHAPE, TINY, hf_config, perturb
 from tests.fixtures.gguf_convert import GGUF_ARCH, write_gguf
 from tests.fixtures.llm import generate_greedy, hf_generate_greedy, make_llm, random_prompts
 from tokenos.models import build_model, load_model_config
@@ -314,19 +314,6 @@ def test_every_gguf_family_is_a_llama_cpp_architecture_we_run_natively():
         assert unmapped <= ({"attn_rot_embd", "ffn_gate_inp"} if name == "llama" else set()), name
         rope = {"rope_freqs", "rope_factors_long", "rope_factors_short"}
         assert {n for n in listed if not n.startswith("blk.")} - set(_GLOBAL_NAMES) <= rope, name
-
-
-# gpt-oss's release: yarn factor 32 over 4096, beta 32 / 1, not truncated; here over 16 positions, so the
-# 30-token prompts run past the original length and the scaling shows.
-GPT_OSS_YARN = {
-    "rope_type": "yarn",
-    "rope_theta": 150000.0,
-    "factor": 4.0,
-    "original_max_position_embeddings": 16,
-    "beta_fast": 32.0,
-    "beta_slow": 1.0,
-    "truncate": False,
-}
 
 
 def test_gpt_oss_yarn_reads_as_its_checkpoint_configures_it(tmp_path):

@@ -12,7 +12,13 @@ import torch
 
 from tests.fixtures.checkpoints import LLM_SHAPE, hf_config, load_ours, save_tiny
 from tests.fixtures.llm import DENSE, make_llm
-from tests.fixtures.paged_runner import PagedRunner, assert_close_logits, check_request, hf_logits
+from tests.fixtures.paged_runner import (
+    PagedRunner,
+    assert_close_logits,
+    check_request,
+    hf_logits,
+    mixed_batch_with_prefix_hit,
+)
 from tokenos.config import CacheConfig
 from tokenos.core.kv_cache.spec import MambaSpec, MLAAttentionSpec, get_kv_cache_config
 from tokenos.layers.attention_metadata import build_attention_metadata
@@ -80,18 +86,7 @@ def test_mixed_batch_prefix_hit_and_greedy_decodes(case):
     """Request 1 adopts request 0's first 32 tokens and computes its own tail beside request 0's decodes
     and request 2's prefill chunks; then greedy decodes of all three, fed back."""
     model, ref = case
-    runner = PagedRunner(model, block_size=16, num_blocks=32, seed=5, max_model_len=64)
-    runner.step([(0, PROMPT[:20])])
-    runner.step([(0, PROMPT[20:40]), (2, PROMPT[5:17])])
-    runner.adopt(1, 0, 32)
-    tail = [(t * 3 + 1) % 120 + 3 for t in PROMPT[:9]]
-    runner.step([(2, PROMPT[17:30]), (1, tail[:5]), (0, [PROMPT[40]])])
-    runner.step([(1, tail[5:]), (0, [PROMPT[41]]), (2, [PROMPT[30]])])
-    for _ in range(4):
-        runner.step([(r, [runner.greedy(r)]) for r in (0, 1, 2)])
-    for r in (0, 1, 2):
-        runner.num_greedy[r] = 4
-        check_request(runner, ref, r, first=32 if r == 1 else 0)
+    mixed_batch_with_prefix_hit(model, ref, PROMPT, decode_steps=4)
 
 
 def test_absorbed_decode_equals_expanded(case):

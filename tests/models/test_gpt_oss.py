@@ -17,9 +17,14 @@ import json
 import pytest
 import torch
 
-from tests.fixtures.checkpoints import LLM_SHAPE, hf_config, load_ours, save_tiny
+from tests.fixtures.checkpoints import GPT_OSS_YARN, LLM_SHAPE, hf_config, load_ours, save_tiny
 from tests.fixtures.llm import DENSE, make_llm
-from tests.fixtures.paged_runner import PagedRunner, assert_close_logits, check_request, hf_logits
+from tests.fixtures.paged_runner import (
+    PagedRunner,
+    assert_close_logits,
+    hf_logits,
+    mixed_batch_with_prefix_hit,
+)
 from tokenos.config import CacheConfig
 from tokenos.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from tokenos.models.gpt_oss import GptOssExperts, route
@@ -68,18 +73,7 @@ def test_mixed_batch_and_prefix_hit_across_the_window(tiny):
     """Request 1 adopts request 0's first 32 tokens (4 windows) and computes its own tail beside request
     0's decodes and request 2's prefill chunks, in one forward per step."""
     _, ref, model = tiny
-    runner = PagedRunner(model, block_size=16, num_blocks=32, seed=5, max_model_len=64)
-    runner.step([(0, PROMPT[:20])])
-    runner.step([(0, PROMPT[20:40]), (2, PROMPT[5:17])])
-    runner.adopt(1, 0, 32)
-    tail = [(t * 3 + 1) % 120 + 3 for t in PROMPT[:9]]
-    runner.step([(2, PROMPT[17:30]), (1, tail[:5]), (0, [PROMPT[40]])])
-    runner.step([(1, tail[5:]), (0, [PROMPT[41]]), (2, [PROMPT[30]])])
-    for _ in range(3):
-        runner.step([(r, [runner.greedy(r)]) for r in (0, 1, 2)])
-    for r in (0, 1, 2):
-        runner.num_greedy[r] = 3
-        check_request(runner, ref, r, first=32 if r == 1 else 0)
+    mixed_batch_with_prefix_hit(model, ref, PROMPT, decode_steps=3)
 
 
 def test_sinks_matter(tiny):
@@ -171,17 +165,8 @@ def test_refuses_what_it_does_not_implement(tmp_path):
 def test_yarn_rope_as_the_real_checkpoints_use_it(tmp_path):
     """gpt-oss ships yarn (factor 32 over 4096, beta 32 / 1, not truncated); here over 16 positions, so a
     45-token prompt runs far past the original length and the scaling shows."""
-    yarn = {
-        "rope_type": "yarn",
-        "rope_theta": 150000.0,
-        "factor": 4.0,
-        "original_max_position_embeddings": 16,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-    }
     folder = str(tmp_path / "gpt_oss_yarn")
-    ref = save_tiny("gpt_oss", folder, rope_parameters=yarn)
+    ref = save_tiny("gpt_oss", folder, rope_parameters=GPT_OSS_YARN)
     model, config = load_ours(folder)
     assert config.rope_scaling["rope_type"] == "yarn"
     runner = PagedRunner(model, block_size=16)
