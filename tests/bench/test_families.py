@@ -27,7 +27,7 @@ def test_the_gemma3_window_holds_a_fraction_of_the_llamas_kv(tmp_path):
     assert gemma == {n: n * per_layer_token + window for n in (4096, 32768)}
 
 
-@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gemma3", "qwen3_moe", "deepseek_v3"])
 def test_a_family_runs_at_the_shared_shape(family, tmp_path):
     args = argparse.Namespace(num_prompts=2, input_len=8, output_len=3, dtype="float32")
     row = families.throughput(families.write_checkpoint(family, str(tmp_path / family)), args)

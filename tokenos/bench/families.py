@@ -38,6 +38,20 @@ SHAPE = dict(
 )
 # Gemma 3 1B's local attention: a window of 512 tokens on five layers of every six.
 GEMMA3_WINDOW = dict(sliding_window=512, sliding_window_pattern=6)
+_MLA = dict(
+    num_key_value_heads=9,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    head_dim=32,  # transformers' rotary reads head_dim: the rope dims
+    v_head_dim=64,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=384,
+    n_shared_experts=1,
+    first_k_dense_replace=1,
+    rope_interleave=True,
+)
 # family -> (transformers config class, fields over SHAPE); MoE: 8 experts, top 2, of a quarter width.
 FAMILIES: dict[str, tuple[str, dict]] = {
     "llama": ("LlamaConfig", {}),
@@ -62,6 +76,10 @@ FAMILIES: dict[str, tuple[str, dict]] = {
         "Qwen3MoeConfig",
         {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 384, "norm_topk_prob": True},
     ),
+    # MLA at the shared width: 9 heads of 64 (+ 32 rope dims) over a 128-value latent; 8 routed experts
+    # (top 2) and one shared, of a quarter width, after one dense layer.
+    "deepseek_v2": ("DeepseekV2Config", {**_MLA, "q_lora_rank": None, "topk_method": "greedy"}),
+    "deepseek_v3": ("DeepseekV3Config", {**_MLA, "q_lora_rank": 192, "n_group": 2, "topk_group": 1}),
     "gpt_oss": (
         "GptOssConfig",
         {
