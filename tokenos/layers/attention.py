@@ -40,6 +40,7 @@ its decodes and prefills through one explicit float32 attention over the same ga
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,21 +67,29 @@ def allocate_kv_cache(
     return torch.zeros(kv_cache_shape(num_blocks, block_size, num_kv_heads, head_size), dtype=dtype)
 
 
-def flat_cache_view(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """The cache as rows [*, num_kv_heads, head_size], and how many rows apart blocks start.
+def page_rows(cache: torch.Tensor, row_ndim: int) -> tuple[torch.Tensor, int]:
+    """Pages ``[num_blocks, *rows of a page, *row]`` (the last ``row_ndim`` dims one row) as rows
+    ``[*, *row]``, and how many rows apart blocks start.
 
-    Blocks may sit further apart than ``2 * block_size`` rows when a hybrid model pads its
-    pages; the padding rows are then part of the flat view but never addressed.
+    Blocks may sit further apart than their own rows when a hybrid model pads its pages; the padding
+    rows are then part of the flat view but never addressed.
     """
-    num_blocks, _, block_size, num_kv_heads, head_size = kv_cache.shape
-    row = num_kv_heads * head_size
-    if kv_cache.is_contiguous():
-        return kv_cache.view(-1, num_kv_heads, head_size), 2 * block_size
-    if kv_cache.stride()[1:] != (block_size * row, row, head_size, 1) or kv_cache.stride(0) % row:
-        raise ValueError(f"KV cache strides {kv_cache.stride()} are not block-outermost pages of whole rows")
-    rows_per_block = kv_cache.stride(0) // row
-    flat = kv_cache.as_strided((num_blocks * rows_per_block, num_kv_heads, head_size), (row, head_size, 1))
+    row_shape = cache.shape[cache.dim() - row_ndim :]
+    row = math.prod(row_shape)
+    if cache.is_contiguous():
+        return cache.view(-1, *row_shape), cache[0].numel() // row
+    packed = torch.empty(cache.shape[1:], device="meta").stride()  # a page's own rows, back to back
+    if cache.stride()[1:] != packed or cache.stride(0) % row:
+        raise ValueError(f"KV cache strides {cache.stride()} are not block-outermost pages of whole rows")
+    rows_per_block = cache.stride(0) // row
+    flat = cache.as_strided((cache.shape[0] * rows_per_block, *row_shape), (row, *packed[-row_ndim:]))
     return flat, rows_per_block
+
+
+def flat_cache_view(kv_cache: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The cache ``[num_blocks, 2, block_size, num_kv_heads, head_size]`` as rows [*, num_kv_heads,
+    head_size], and how many rows apart blocks start (`page_rows`)."""
+    return page_rows(kv_cache, 2)
 
 
 FP8_MAX = 448.0  # the largest finite float8 e4m3fn value

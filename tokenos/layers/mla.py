@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenos.core.kv_cache.spec import MLAAttentionSpec
+from tokenos.layers.attention import page_rows
 from tokenos.layers.attention_metadata import AttentionMetadata
 from tokenos.layers.metadata import CacheLayer, ForwardBatch
 from tokenos.platform import kv_cache_dtype_name
@@ -39,13 +40,7 @@ if TYPE_CHECKING:
 
 def flat_latent_view(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
     """The pages as rows [*, R + rope], and how many rows apart blocks start (padded hybrid pages)."""
-    num_blocks, block_size, _, width = cache.shape
-    if cache.is_contiguous():
-        return cache.view(-1, width), block_size
-    if cache.stride()[1:] != (width, width, 1) or cache.stride(0) % width:
-        raise ValueError(f"MLA cache strides {cache.stride()} are not block-outermost pages of whole rows")
-    rows_per_block = cache.stride(0) // width
-    return cache.as_strided((num_blocks * rows_per_block, width), (width, 1)), rows_per_block
+    return page_rows(cache, 1)
 
 
 def latent_rows(slots: torch.Tensor, block_size: int, rows_per_block: int) -> torch.Tensor:
