@@ -4,11 +4,9 @@ checkpoints (including a hit followed by a different suffix), n > 1 and preempti
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from tests.fixtures.llm import HYBRID, forked_counts, make_llm
+from tests.fixtures.llm import HYBRID, forked_counts, make_llm, preemption_workload
 from tokenos.bench.recording import record_schedules
 
 # Greedy tokens identical to transformers' (recomputed without a cache), logprobs within 1e-3.
@@ -61,19 +59,7 @@ def test_n_greater_than_one(hybrid):
 
 def test_preemption(hybrid):
     folder, ref = hybrid
-    probe = make_llm(folder, max_model_len=128)
-    groups = probe.engine.kv_cache_config.kv_cache_groups
-    block = groups[0].kv_cache_spec.block_size
-    # Pages for exactly one max-length request (every group), plus the null block.
-    need = sum(
-        -(-g.kv_cache_spec.max_memory_usage_bytes(128) // g.kv_cache_spec.page_size_bytes) for g in groups
-    )
-    del probe
-    # Prompts ending 2 tokens short of a block boundary: every decode soon needs new pages in
-    # every group at once, while the pool is full of admitted requests.
-    rng = random.Random(5)
-    lengths = [rng.choice((2 * block - 2, 3 * block - 2)) for _ in range(6)]
-    prompts = [p[:n] for p, n in zip(prompts_of(6, 3 * block, 3 * block, seed=5), lengths, strict=True)]
+    need, prompts = preemption_workload(folder)
     llm = make_llm(folder, max_model_len=128, num_kv_blocks=need + 1, enable_prefix_caching=False)
     outputs = run(llm, prompts)
     check(outputs, prompts, ref)

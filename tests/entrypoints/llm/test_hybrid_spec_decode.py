@@ -17,7 +17,7 @@ import random
 import pytest
 
 from tests.fixtures.checkpoints import VOCAB, save_tiny
-from tests.fixtures.llm import HYBRID, forked_counts, make_llm
+from tests.fixtures.llm import HYBRID, forked_counts, make_llm, preemption_workload
 from tokenos.bench.recording import record_schedules
 
 FAMILIES = ("mamba2", "bamba", "qwen3_next", "granitemoehybrid", "falcon_h1", "nemotron_h")
@@ -115,16 +115,7 @@ def test_greedy_parity_with_speculation(family, kwargs):
 def test_preemption_with_speculation(family):
     """A pool for one max-length request: prompts 2 tokens short of a page boundary, so verify steps soon
     need new pages in every group while the pool is full (test_hybrid_parity's recipe)."""
-    probe = make_llm(family, max_model_len=128, **FAST)
-    groups = probe.engine.kv_cache_config.kv_cache_groups
-    block = groups[0].kv_cache_spec.block_size
-    need = sum(
-        -(-g.kv_cache_spec.max_memory_usage_bytes(128) // g.kv_cache_spec.page_size_bytes) for g in groups
-    )
-    del probe
-    rng = random.Random(5)
-    lengths = [rng.choice((2 * block - 2, 3 * block - 2)) for _ in range(6)]
-    prompts = [p[:n] for p, n in zip(HYBRID.prompts(6, 3 * block, 3 * block, seed=5), lengths, strict=True)]
+    need, prompts = preemption_workload(family, **FAST)
     answers = plain_answers(family, prompts, max_model_len=128)
     kwargs = dict(max_model_len=128, num_kv_blocks=need + 1, enable_prefix_caching=False)
     llm = scripted_llm(family, answers, **kwargs)
