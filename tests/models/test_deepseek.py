@@ -14,6 +14,7 @@ from tests.fixtures.checkpoints import LLM_SHAPE, hf_config, load_ours, save_tin
 from tests.fixtures.llm import DENSE, make_llm
 from tests.fixtures.paged_runner import (
     PagedRunner,
+    assert_bf16_close_to_float32,
     assert_close_logits,
     check_request,
     hf_logits,
@@ -229,14 +230,7 @@ def test_writes_stay_in_owned_pages(case):
 def test_bfloat16_close_to_float32(tmp_path):
     folder = str(tmp_path / "v3")
     save_tiny("deepseek_v3", folder)
-    runs = []
-    for dtype in ("float32", "bfloat16"):
-        model, _ = load_ours(folder, dtype=dtype)
-        runner = PagedRunner(model, block_size=16)
-        runner.step([(0, PROMPT[:30])])
-        runner.step([(0, PROMPT[30:31])])
-        runs.append(runner.request_logits(0).float())
-    assert_close_logits(runs[1], runs[0], rel=0.1)
+    assert_bf16_close_to_float32(folder, PROMPT)
 
 
 # ---------------------------------------------------------------- routing and the MoE block

@@ -13,7 +13,12 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import DENSE_FAMILIES, load_ours
-from tests.fixtures.paged_runner import PagedRunner, assert_close_logits, hf_logits
+from tests.fixtures.paged_runner import (
+    PagedRunner,
+    assert_bf16_close_to_float32,
+    assert_close_logits,
+    hf_logits,
+)
 from tokenos.config import CacheConfig
 from tokenos.core.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from tokenos.models.transformers_backend import TransformersCausalLM
@@ -139,14 +144,7 @@ def test_every_native_dense_family_forced_onto_the_backend_matches(make_checkpoi
 def test_bfloat16_close_to_float32(make_checkpoint):
     """bf16 weights and pages (the C decode / prefill kernels where the CPU has them) near float32."""
     folder, _ = make_checkpoint("gpt_neox")
-    runs = []
-    for dtype in ("float32", "bfloat16"):
-        model, _ = load_ours(folder, dtype=dtype)
-        runner = PagedRunner(model, block_size=16)
-        runner.step([(0, PROMPT[:30])])
-        runner.step([(0, PROMPT[30:31])])
-        runs.append(runner.request_logits(0))
-    assert_close_logits(runs[1], runs[0], rel=0.1)
+    assert_bf16_close_to_float32(folder, PROMPT)
 
 
 # ------------------------------------------------------------------ choosing the implementation
