@@ -636,7 +636,7 @@ def iter_gguf_weights(
         array = array if fix is None else fix(array)
         if family.norm_plus_one and tensor.name.endswith("norm.weight"):
             array = array - np.float32(1)
-        yield name, torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
+        yield name, _tensor(array)
     if stacks is not None:
         stacks.check_complete(path)
     reader.close()
@@ -678,7 +678,7 @@ def _expert_weights(
         return
     stack = _dense(reader, tensor, dequantized)
     for e, name in enumerate(names):
-        yield name, torch.from_numpy(np.require(stack[e], np.float32, ["C", "W"]))
+        yield name, _tensor(stack[e])
 
 
 def _type_name(ggml_type: int) -> str:
@@ -797,6 +797,7 @@ def _mxfp4_checkpoint_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A torch tensor owning writable memory: uint8 (MXFP4 blocks) as it is, everything else float32."""
     if array.dtype == np.uint8:
         return torch.from_numpy(np.array(array, copy=True))
     return torch.from_numpy(np.require(array, np.float32, ["C", "W"]))
