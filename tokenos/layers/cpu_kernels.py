@@ -27,7 +27,15 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = tuple(
-    _CSRC / name for name in ("paged_attention.c", "prefill_attention.c", "step_ops.c", "qlinear.c", "lora.c")
+    _CSRC / name
+    for name in (
+        "paged_attention.c",
+        "prefill_attention.c",
+        "step_ops.c",
+        "qlinear.c",
+        "lora.c",
+        "decode_layer.c",
+    )
 )
 _HEADERS = (_CSRC / "vec_math.h",)
 MAX_HEAD_SIZE = 512  # MAX_HEAD in the C source
@@ -41,6 +49,7 @@ _SIGNATURES = {
     "silu_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P, _I64, _I, _P, _I64, _I, _I, _I, _P, _P, _I64],
     "kv_write_int8": [_P, _I64, _P, _I64, _I64, _I, _P, _P, _F, _F],
+    "decode_layer": [_P, _P, _P, _P, _I],
 }
 _PREFILL_SIGNATURE = [_P, _I64, _P, _I, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I64, _F, _P]
 _QLINEAR_SIGNATURES = {

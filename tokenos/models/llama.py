@@ -14,6 +14,7 @@ from torch import nn
 from tokenos.layers.activation import SiluAndMul
 from tokenos.layers.attention import Attention
 from tokenos.layers.embedding import VocabEmbedding
+from tokenos.layers.fused_decode import FusedDecodePlan
 from tokenos.layers.layernorm import RMSNorm
 from tokenos.layers.linear import Linear, MergedLinear, QKVLinear
 from tokenos.layers.metadata import ForwardBatch
@@ -121,6 +122,15 @@ class DecoderModel(DecoderStack):
             ("norm", RMSNorm(config.hidden_size, config.rms_norm_eps)),
             rotary,
         )
+        self._fused: FusedDecodePlan | None | bool = False  # False: not planned yet (after LoRA attaches)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self._fused is False:
+            self._fused = FusedDecodePlan.build(self)
+        if self._fused is not None and self._fused.takes(batch):
+            x, residual = self._fused.run(self.embed(batch.input_ids), batch)
+            return self.norm(x, residual)[0]
+        return super().forward(batch)
 
 
 class LlamaForCausalLM(CausalLM):

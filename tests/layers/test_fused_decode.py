@@ -1,0 +1,114 @@
+"""The fused decode layer (`tokenos.layers.fused_decode`, csrc/decode_layer.c) against the module path.
+
+It runs the module path's kernels in the module path's order, so decode steps must give the same
+tokens and the same logprobs bit for bit: over Llama (GQA), Qwen2 (q/k/v bias) and Mistral (sliding
+window) with int4 and int8 weights, in float32 and (where native) bf16, with batches that grow and
+shrink, a prefix-cache hit and preemption. Steps it must not take (prefill rows, 8-bit pages, layers
+it does not fuse) fall back to the module path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.fixtures.checkpoints import LLM_SHAPE, save_tiny
+from tests.fixtures.llm import generate_greedy, make_llm, random_prompts
+from tokenos.layers import cpu_kernels
+from tokenos.layers.fused_decode import FusedDecodePlan
+from tokenos.models.llama import DecoderModel
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="needs the C kernels")
+
+# bf16 where the library has the bf16 weight-only kernel (not in an AVX2 build on an AVX-512 CPU).
+DTYPES = ["float32"] + (["bfloat16"] if cpu_kernels.qgemm_kernel(torch.bfloat16) is not None else [])
+FAMILIES = {"llama": {}, "qwen2": {}, "mistral": {"sliding_window": 12}}
+
+
+def _stack(llm) -> DecoderModel:
+    return llm.engine.model_runner.model.stack
+
+
+def _outputs(llm, prompts, n=1):
+    """(tokens, logprob of each) of every sample of every prompt."""
+    out = generate_greedy(llm, prompts, max_tokens=24, n=n)
+    return [[(c.token_ids, _logprobs(c)) for c in o.outputs] for o in out]
+
+
+def _logprobs(sample) -> list[float]:
+    return [lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids, strict=True)]
+
+
+def _run(folder, monkeypatch, fused: bool, prompts, n=1, passes=1, **kwargs):
+    """(outputs of each pass over ``prompts``, the model's plan, steps it ran, the LLM's metrics) of one
+    fresh `LLM`; a second pass hits the prefix cache."""
+    monkeypatch.setenv("TOKENOS_DISABLE_FUSED_DECODE", "0" if fused else "1")
+    taken = []
+    original = FusedDecodePlan.run
+    monkeypatch.setattr(FusedDecodePlan, "run", lambda self, *a: taken.append(1) or original(self, *a))
+    llm = make_llm(folder, **kwargs)
+    outputs = [_outputs(llm, prompts, n) for _ in range(passes)]
+    monkeypatch.setattr(FusedDecodePlan, "run", original)
+    return outputs, _stack(llm)._fused, len(taken), llm.get_metrics()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tiny(request, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("fused") / request.param)
+    save_tiny(request.param, folder, **LLM_SHAPE, **FAMILIES[request.param])
+    return folder
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("method", ["int4", "int8"])
+def test_fused_decode_equals_the_module_path(tiny, method, dtype, monkeypatch):
+    # 5 requests of different lengths, at most 3 at a time, 16-token blocks: decode batches of 1 to 3
+    # rows beside prefills (those steps take the module path), requests joining and leaving.
+    prompts = random_prompts(5, 3, 40, seed=11, vocab=LLM_SHAPE["vocab_size"])
+    kwargs = dict(quantization=method, dtype=dtype, max_num_seqs=3, block_size=16, max_num_batched_tokens=32)
+    fused, plan, taken, _ = _run(tiny, monkeypatch, True, prompts, **kwargs)
+    reference, *_ = _run(tiny, monkeypatch, False, prompts, **kwargs)
+    assert isinstance(plan, FusedDecodePlan) and taken > 10
+    assert fused == reference
+
+
+def test_prefix_hit_preemption_and_n_samples(tiny, monkeypatch):
+    shared = random_prompts(1, 40, 40, seed=3, vocab=LLM_SHAPE["vocab_size"])[0]
+    prompts = [shared + tail for tail in random_prompts(4, 1, 9, seed=4, vocab=LLM_SHAPE["vocab_size"])]
+    # Pages for one 256-token request (and the null block), for four of up to 73 tokens with two samples
+    # each: preemption; the second pass starts from cached prefixes.
+    kwargs = dict(quantization="int4", block_size=16, num_kv_blocks=18, max_num_seqs=8)
+    fused, plan, taken, metrics = _run(tiny, monkeypatch, True, prompts, n=2, passes=2, **kwargs)
+    reference, *_ = _run(tiny, monkeypatch, False, prompts, n=2, passes=2, **kwargs)
+    assert plan is not None and taken > 10
+    windowed = "sliding_window" in FAMILIES[Path(tiny).name]  # its pages free as the window moves
+    assert (metrics["num_preemptions"] > 0 or windowed) and metrics["prefix_cache_hits"] > 0
+    assert fused == reference
+
+
+def test_steps_and_models_it_does_not_take(tmp_path, monkeypatch):
+    folder = str(tmp_path / "llama")
+    save_tiny("llama", folder, **LLM_SHAPE)
+    prompts = random_prompts(3, 5, 20, seed=1, vocab=LLM_SHAPE["vocab_size"])
+    # 8-bit pages: the plan exists, no step qualifies, outputs still equal the module path's.
+    fused, plan, taken, _ = _run(
+        folder, monkeypatch, True, prompts, quantization="int4", kv_cache_dtype="int8"
+    )
+    reference, *_ = _run(folder, monkeypatch, False, prompts, quantization="int4", kv_cache_dtype="int8")
+    assert plan is not None and taken == 0 and fused == reference
+    # Dense weights (oneDNN's GEMM, not ours): no plan.
+    assert _run(folder, monkeypatch, True, prompts[:1])[1] is None
+    qwen3 = str(tmp_path / "qwen3")  # per-head q/k norms: not fused
+    save_tiny("qwen3", qwen3, **LLM_SHAPE)
+    assert _run(qwen3, monkeypatch, True, prompts[:1], quantization="int4")[1] is None
+
+
+def test_disabled_by_environment(tmp_path, monkeypatch):
+    folder = str(tmp_path / "llama")
+    save_tiny("llama", folder, **LLM_SHAPE)
+    monkeypatch.setenv("TOKENOS_DISABLE_FUSED_DECODE", "1")
+    llm = make_llm(folder, quantization="int4")
+    generate_greedy(llm, [[5, 6, 7]], max_tokens=2)
+    assert _stack(llm)._fused is None

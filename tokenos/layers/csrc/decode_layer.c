@@ -1,0 +1,125 @@
+/*
+ * One Llama-style decoder layer of a decode-only step, in one call:
+ *
+ *   h = rms_norm(x + residual)            residual <- x + residual
+ *   qkv = h Wqkv^T (+ b); rotary on q, k; this step's K, V into their page slots
+ *   a = paged decode attention(q)         x <- rms_norm(a Wo^T + residual), residual <- the sum
+ *   x = (silu(g) * u) Wdown^T             with [g, u] = x Wgate_up^T
+ *
+ * At decode sizes each of these is a few microseconds of arithmetic behind a Python call, a ctypes
+ * conversion and a torch allocation; a layer's dozen of them cost about what its weights take to
+ * read. Here the same kernels (step_ops.c, qlinear.c, paged_attention.c) run back to back from C, in
+ * the order and with the roundings of the module path (tokenos/models/llama.py), so the result is
+ * the same bit for bit: the module path stays the reference and the fallback.
+ *
+ * Weights are quantized (qlinear.c's packed layout; the caller checks its kernel exists for the
+ * dtype), KV pages are the model's dtype, every token is one request's decode. x and residual are
+ * [n, hidden], updated in place; `first` starts the residual stream (layer 0: residual = x).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "vec_math.h"
+
+typedef uint16_t bf16;
+
+/* The kernels this layer runs, from the other translation units of the library. */
+void rms_norm_f32(const float *x, const float *residual, const float *weight, float *out, float *residual_out,
+                  int64_t rows, int hidden, float eps);
+void rms_norm_bf16(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16 *out, bf16 *residual_out,
+                   int64_t rows, int hidden, float eps);
+void silu_and_mul_f32(const float *x, float *out, int64_t rows, int d);
+void silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int d);
+void rotary_f32(float *q, int64_t q_stride, int q_heads, float *k, int64_t k_stride, int k_heads, int head_dim,
+                int rotary_dim, const float *cos, const float *sin, int64_t tokens);
+void rotary_bf16(bf16 *q, int64_t q_stride, int q_heads, bf16 *k, int64_t k_stride, int k_heads, int head_dim,
+                 int rotary_dim, const bf16 *cos, const bf16 *sin, int64_t tokens);
+void paged_decode_f32(const float *q, const float *cache, int64_t page_stride, int block_size,
+                      const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,
+                      int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,
+                      float cap, const float *sinks);
+void paged_decode_bf16(const float *q, const bf16 *cache, int64_t page_stride, int block_size,
+                       const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,
+                       int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,
+                       float cap, const float *sinks);
+/* qlinear.c's entry points take its `qdesc`; only its address passes through here. */
+void qgemm_f32_desc(const void *w, const float *x, int64_t M, int64_t xs, float *out, int64_t os);
+void qgemm_bf16_desc(const void *w, const bf16 *x, int64_t M, int64_t xs, void *out, int64_t os, int out_f32);
+
+/* A layer's weights, described once (tokenos/layers/fused_decode.py's LayerDesc). */
+typedef struct {
+    const void *qkv, *o, *gate_up, *down; /* qlinear.c qdesc addresses */
+    const void *qkv_bias;                 /* [qkv width] in the dtype, or NULL */
+    const void *ln1, *ln2;                /* RMSNorm weights [hidden] */
+    void *kv_cache;                       /* this layer's pages [blocks, 2, block_size, kv_heads, head_dim] */
+    int64_t page_stride;                  /* elements from one block to the next */
+    float eps, scale;
+    int32_t window, _pad;
+} layer_desc;
+
+/* One step's shapes, indices and scratch, shared by every layer (fused_decode.py's StepDesc). */
+typedef struct {
+    int64_t n; /* decodes = tokens = requests */
+    int32_t hidden, heads, kv_heads, head_dim, inter, rotary_dim, block_size, max_blocks;
+    const int32_t *block_table; /* [n, max_blocks] */
+    const int32_t *seq_lens;    /* [n], this token included */
+    const int64_t *slots;       /* [n] block * block_size + offset of this token */
+    const void *cos, *sin;      /* [n, rotary_dim / 2] in the dtype */
+    void *h, *qkv, *attn, *gu, *act; /* [n, hidden], [n, qkv width], [n, heads * head_dim], [n, 2 inter], [n, inter] */
+    float *qf, *of;                  /* float32 [n, heads * head_dim] */
+} step_desc;
+
+static inline float ld_f32(const float *p) { return *p; }
+static inline float ld_bf16(const bf16 *p) { return bf16_to_f32(*p); }
+static inline void st_f32(float *p, float f) { *p = f; }
+static inline void st_bf16(bf16 *p, float f) { *p = f32_to_bf16(f); }
+
+static inline void qgemm_f32_call(const void *w, const float *x, int64_t M, int64_t xs, float *out, int64_t os) {
+    qgemm_f32_desc(w, x, M, xs, out, os);
+}
+static inline void qgemm_bf16_call(const void *w, const bf16 *x, int64_t M, int64_t xs, bf16 *out, int64_t os) {
+    qgemm_bf16_desc(w, x, M, xs, out, os, 0);
+}
+
+#define DEFINE_DECODE_LAYER(SUFFIX, T)                                                                   \
+void decode_layer_##SUFFIX(const layer_desc *L, const step_desc *S, T *x, T *residual, int first) {      \
+    const int64_t n = S->n, hidden = S->hidden, hd = S->head_dim;                                        \
+    const int64_t q_width = (int64_t)S->heads * hd, kv_width = (int64_t)S->kv_heads * hd;                \
+    const int64_t width = q_width + 2 * kv_width;                                                        \
+    T *h = (T *)S->h, *qkv = (T *)S->qkv, *attn = (T *)S->attn, *gu = (T *)S->gu, *act = (T *)S->act;    \
+    if (first) {                                                                                         \
+        memcpy(residual, x, sizeof(T) * (size_t)(n * hidden));                                           \
+        rms_norm_##SUFFIX(x, NULL, (const T *)L->ln1, h, NULL, n, (int)hidden, L->eps);                  \
+    } else {                                                                                             \
+        rms_norm_##SUFFIX(x, residual, (const T *)L->ln1, h, residual, n, (int)hidden, L->eps);          \
+    }                                                                                                    \
+    qgemm_##SUFFIX##_call(L->qkv, h, n, hidden, qkv, width);                                             \
+    if (L->qkv_bias) { /* the module path's `out += bias`: one add, rounded */                          \
+        const T *b = (const T *)L->qkv_bias;                                                             \
+        for (int64_t t = 0; t < n; t++)                                                                  \
+            for (int64_t j = 0; j < width; j++) st_##SUFFIX(qkv + t * width + j, ld_##SUFFIX(qkv + t * width + j) + ld_##SUFFIX(b + j)); \
+    }                                                                                                    \
+    rotary_##SUFFIX(qkv, width, S->heads, qkv + q_width, width, S->kv_heads, (int)hd, S->rotary_dim,     \
+                    (const T *)S->cos, (const T *)S->sin, n);                                            \
+    T *cache = (T *)L->kv_cache;                                                                         \
+    const int64_t bs = S->block_size;                                                                    \
+    for (int64_t t = 0; t < n; t++) { /* K row at (block, 0, offset), V row at (block, 1, offset) */     \
+        T *page = cache + (S->slots[t] / bs) * L->page_stride;                                           \
+        const int64_t off = S->slots[t] % bs;                                                            \
+        memcpy(page + off * kv_width, qkv + t * width + q_width, sizeof(T) * (size_t)kv_width);          \
+        memcpy(page + (bs + off) * kv_width, qkv + t * width + q_width + kv_width, sizeof(T) * (size_t)kv_width); \
+        for (int64_t j = 0; j < q_width; j++) S->qf[t * q_width + j] = ld_##SUFFIX(qkv + t * width + j);   \
+    }                                                                                                    \
+    paged_decode_##SUFFIX(S->qf, cache, L->page_stride, S->block_size, S->block_table, S->max_blocks,    \
+                          S->seq_lens, (int)n, S->heads, S->kv_heads, (int)hd, L->scale, L->window,      \
+                          S->of, 0.0f, NULL);                                                            \
+    for (int64_t j = 0; j < n * q_width; j++) st_##SUFFIX(attn + j, S->of[j]);                           \
+    qgemm_##SUFFIX##_call(L->o, attn, n, q_width, h, hidden);                                            \
+    rms_norm_##SUFFIX(h, residual, (const T *)L->ln2, h, residual, n, (int)hidden, L->eps);              \
+    qgemm_##SUFFIX##_call(L->gate_up, h, n, hidden, gu, 2 * (int64_t)S->inter);                          \
+    silu_and_mul_##SUFFIX(gu, act, n, S->inter);                                                         \
+    qgemm_##SUFFIX##_call(L->down, act, n, S->inter, x, hidden);                                         \
+}
+
+DEFINE_DECODE_LAYER(f32, float)
+DEFINE_DECODE_LAYER(bf16, bf16)

@@ -1,0 +1,235 @@
+"""Decode-only steps of a Llama-style stack with quantized linears, one C call per layer.
+
+At decode sizes a layer's work is a dozen small kernels (two norms, four weight-only GEMVs, rotary, the
+KV write, paged attention, SiLU-and-mul), and each costs a Python call, a ctypes conversion and a torch
+allocation around a few microseconds of arithmetic: together about as long as reading the layer's
+packed weights. `csrc/decode_layer.c` runs the same kernels back to back from C, with the module path's
+roundings, so its hidden states equal the module path's bit for bit (tests/layers/test_fused_decode.py);
+the module path stays the reference and takes every other step.
+
+`FusedDecodePlan.build(stack)` says once per model whether every layer qualifies: Llama's
+``DecoderLayer`` exactly (no q/k norms, no output scale), plain RMSNorms, SiLU gating, all four linears
+quantized with the C kernel for the model's dtype and no LoRA, attention without soft cap or sinks.
+`takes(batch)` says per step whether the step is decodes only, on pages of the model's dtype.
+``TOKENOS_DISABLE_FUSED_DECODE=1`` turns it off (the module path then runs every step).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+
+import torch
+
+from tokenos.layers import cpu_kernels
+from tokenos.layers.activation import SiluAndMul
+from tokenos.layers.attention import Attention
+from tokenos.layers.attention_metadata import AttentionMetadata
+from tokenos.layers.layernorm import RMSNorm
+from tokenos.layers.linear import Linear
+from tokenos.layers.metadata import ForwardBatch
+from tokenos.layers.rotary import RotaryEmbedding
+
+_P, _I32, _I64, _F = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
+
+
+class LayerDesc(ctypes.Structure):
+    """csrc/decode_layer.c's ``layer_desc``."""
+
+    _fields_ = [
+        ("qkv", _P),
+        ("o", _P),
+        ("gate_up", _P),
+        ("down", _P),
+        ("qkv_bias", _P),
+        ("ln1", _P),
+        ("ln2", _P),
+        ("kv_cache", _P),
+        ("page_stride", _I64),
+        ("eps", _F),
+        ("scale", _F),
+        ("window", _I32),
+        ("_pad", _I32),
+    ]
+
+
+_SCRATCH = ("h", "qkv", "attn", "gu", "act", "qf", "of")
+
+
+class StepDesc(ctypes.Structure):
+    """csrc/decode_layer.c's ``step_desc``."""
+
+    _fields_ = [
+        ("n", _I64),
+        *((name, _I32) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "rotary_dim")),
+        ("block_size", _I32),
+        ("max_blocks", _I32),
+        *((name, _P) for name in ("block_table", "seq_lens", "slots", "cos", "sin")),
+        *((name, _P) for name in _SCRATCH),
+    ]
+
+
+@dataclass
+class _Layer:
+    desc: LayerDesc
+    attn: Attention
+    keep: tuple  # tensors whose addresses the desc holds
+
+
+def _quantized_kernel(linear: Linear, dtype: torch.dtype, bias_ok: bool) -> bool:
+    q = linear.quantized
+    if q is None or linear.lora is not None or (linear.bias is not None and not bias_ok):
+        return False
+    return q._gemms.get(dtype) is not None
+
+
+def _qualifies(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
+    from tokenos.models.llama import DecoderAttention, DecoderLayer, GatedMLP
+
+    if type(layer) is not DecoderLayer or layer.output_scale is not None:
+        return False
+    attn, mlp = layer.self_attn, layer.mlp
+    if (
+        type(attn) is not DecoderAttention
+        or hasattr(attn, "q_norm")
+        or type(attn.rotary) is not RotaryEmbedding
+    ):
+        return False
+    core = attn.attn
+    if type(core) is not Attention or core.logit_softcap is not None or core.sinks is not None:
+        return False
+    if core.head_size > cpu_kernels.MAX_HEAD_SIZE:
+        return False
+    if not isinstance(mlp, GatedMLP) or type(mlp.act) is not SiluAndMul:
+        return False
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms):
+        return False
+    linears = ((attn.qkv_proj, True), (attn.o_proj, False), (mlp.gate_up_proj, False), (mlp.down_proj, False))
+    return all(_quantized_kernel(lin, dtype, bias_ok) for lin, bias_ok in linears)
+
+
+class FusedDecodePlan:
+    def __init__(self, stack: torch.nn.Module, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.fn = getattr(cpu_kernels.load(), f"decode_layer_{cpu_kernels.DTYPES[dtype]}")
+        first = stack.layers[0]
+        attn = first.self_attn
+        self.hidden = first.input_layernorm.weight.shape[0]
+        self.heads, self.kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.inter = first.mlp.down_proj.input_size
+        self.rotary = attn.rotary
+        self.layers = [self._layer(layer) for layer in stack.layers]
+
+    @classmethod
+    def build(cls, stack: torch.nn.Module) -> FusedDecodePlan | None:
+        """The plan for ``stack`` (a llama ``DecoderModel``), or None where some layer does not qualify."""
+        if os.environ.get("TOKENOS_DISABLE_FUSED_DECODE") == "1" or cpu_kernels.load() is None:
+            return None
+        layers = list(stack.layers)
+        norm = getattr(layers[0], "input_layernorm", None) if layers else None
+        if norm is None:
+            return None
+        dtype = norm.weight.dtype
+        if dtype not in cpu_kernels.DTYPES or not all(_qualifies(layer, dtype) for layer in layers):
+            return None
+        shapes = {
+            (lyr.self_attn.num_heads, lyr.self_attn.num_kv_heads, lyr.self_attn.head_dim) for lyr in layers
+        }
+        if len(shapes) != 1 or len({id(lyr.self_attn.rotary) for lyr in layers}) != 1:
+            return None
+        return cls(stack, dtype)
+
+    def _layer(self, layer: torch.nn.Module) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        bias = attn.qkv_proj.bias
+        bias = None if bias is None else bias.detach().to(self.dtype).contiguous()
+        ln1, ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        desc = LayerDesc(
+            qkv=attn.qkv_proj.quantized._desc_address,
+            o=attn.o_proj.quantized._desc_address,
+            gate_up=mlp.gate_up_proj.quantized._desc_address,
+            down=mlp.down_proj.quantized._desc_address,
+            qkv_bias=None if bias is None else bias.data_ptr(),
+            ln1=ln1.weight.data_ptr(),
+            ln2=ln2.weight.data_ptr(),
+            eps=ln1.eps,
+            scale=attn.attn.scale,
+            window=attn.attn.sliding_window or 0,
+        )
+        if ln2.eps != ln1.eps:
+            raise ValueError("the fused decode layer takes one RMSNorm eps per layer")
+        return _Layer(desc, attn.attn, (bias, ln1.weight, ln2.weight))
+
+    def takes(self, batch: ForwardBatch) -> bool:
+        """Whether this step is decodes only (one token per request, in request order) on pages the
+        kernel reads: the model's dtype, whole-row pages."""
+        n = batch.input_ids.shape[0]
+        if n == 0:
+            return False
+        for layer in self.layers:
+            kv_cache, meta = layer.attn.cache_entry(batch)
+            if meta.prefills or meta.num_reqs != n or kv_cache.dtype != self.dtype:
+                return False
+            _, _, block_size, kv_heads, head_dim = kv_cache.shape
+            row = kv_heads * head_dim
+            if kv_cache.stride()[1:] != (block_size * row, row, head_dim, 1):
+                return False
+        return True
+
+    def run(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) after every layer, as the module path leaves them."""
+        n = x.shape[0]
+        x = x.to(self.dtype).contiguous().clone()
+        residual = torch.empty_like(x)
+        q_width = self.heads * self.head_dim
+        width = q_width + 2 * self.kv_heads * self.head_dim
+        scratch = (
+            torch.empty(n, self.hidden, dtype=self.dtype),
+            torch.empty(n, width, dtype=self.dtype),
+            torch.empty(n, q_width, dtype=self.dtype),
+            torch.empty(n, 2 * self.inter, dtype=self.dtype),
+            torch.empty(n, self.inter, dtype=self.dtype),
+            torch.empty(n, q_width, dtype=torch.float32),
+            torch.empty(n, q_width, dtype=torch.float32),
+        )
+        cos, sin = (t.contiguous() for t in self.rotary.cos_sin(batch.positions, self.dtype))
+        steps: dict[int, tuple[StepDesc, tuple]] = {}
+        for i, layer in enumerate(self.layers):
+            kv_cache, meta = layer.attn.cache_entry(batch)
+            step = steps.get(id(meta))
+            if step is None:
+                step = steps[id(meta)] = self._step(meta, n, cos, sin, scratch)
+            layer.desc.kv_cache = kv_cache.data_ptr()
+            layer.desc.page_stride = kv_cache.stride(0)
+            self.fn(
+                ctypes.byref(layer.desc),
+                ctypes.byref(step[0]),
+                x.data_ptr(),
+                residual.data_ptr(),
+                int(i == 0),
+            )
+        return x, residual
+
+    def _step(self, meta: AttentionMetadata, n: int, cos: torch.Tensor, sin: torch.Tensor, scratch: tuple):
+        _, table, lens = meta.decode_batch()
+        slots = meta.slot_mapping[:n].to(torch.int64).contiguous()
+        desc = StepDesc(
+            n=n,
+            hidden=self.hidden,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            inter=self.inter,
+            rotary_dim=self.rotary.rotary_dim,
+            block_size=meta.block_size,
+            max_blocks=table.shape[1],
+            block_table=table.data_ptr(),
+            seq_lens=lens.data_ptr(),
+            slots=slots.data_ptr(),
+            cos=cos.data_ptr(),
+            sin=sin.data_ptr(),
+            **{name: t.data_ptr() for name, t in zip(_SCRATCH, scratch, strict=True)},
+        )
+        return desc, (table, lens, slots)
