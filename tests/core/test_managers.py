@@ -151,6 +151,23 @@ def test_allocation_is_all_or_nothing_and_reserves_the_full_need():
     assert kv.allocate_slots(b, 4, num_tokens_to_reserve=8).ok
 
 
+@pytest.mark.parametrize("recurrent", [False, True], ids=["attention", "hybrid"])
+def test_an_mtp_hit_ends_where_the_next_token_matched_too(recurrent):
+    """An MTP drafter's K/V at position i holds token i + 1: a hit of h tokens is only exact when token h
+    is among the tokens matched, so the lookup goes one boundary back from the first hit it finds."""
+    specs = (attn(4), mamba(4)) if recurrent else (attn(4),)
+    plain = _setup(*specs)
+    mtp = KVCacheManager(make_config(64, *specs), max_model_len=256, hit_needs_next_token=True)
+    for kv in (plain, mtp):
+        req = _req(kv, "r", list(range(20)))
+        _publish(kv, req, 0, range(4))  # 16 tokens of attention pages
+        if recurrent:
+            _publish(kv, req, 1, [1, 3])  # checkpoints at 8 and 16
+    assert plain.get_computed_blocks(_req(plain, "a", list(range(20)))).num_tokens == 16
+    # 16 matched tokens, but token 16 is not among them: the hit is 12 (8 on the hybrid's checkpoints).
+    assert mtp.get_computed_blocks(_req(mtp, "a", list(range(20)))).num_tokens == (8 if recurrent else 12)
+
+
 def test_mla_group_is_full_attention_to_the_manager():
     """An MLA group runs the full-attention manager: a finished request's blocks are hit by the next one
     with the same prefix, exactly as for an ordinary attention group."""
