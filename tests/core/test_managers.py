@@ -151,6 +151,17 @@ def test_allocation_is_all_or_nothing_and_reserves_the_full_need():
     assert kv.allocate_slots(b, 4, num_tokens_to_reserve=8).ok
 
 
+def test_lookahead_slots_are_attention_pages_only():
+    """A drafter's lookahead slots (its K/V while proposing) extend the attention pages; the recurrent
+    running page stays the column where the step's state ends, which the worker reads."""
+    kv = _setup(attn(4), mamba(4, "align"))
+    req = _req(kv, "r", list(range(40)))
+    ids = kv.allocate_slots(req, 7, num_lookahead_tokens=2).new_block_ids
+    state = kv.get_block_ids("r")[1]
+    assert len(ids[0]) == 3  # 9 attention slots
+    assert len(state) == 2 and state[0] == 0 and state[1] != 0  # 7 tokens: the running state in column 1
+
+
 @pytest.mark.parametrize("recurrent", [False, True], ids=["attention", "hybrid"])
 def test_an_mtp_hit_ends_where_the_next_token_matched_too(recurrent):
     """An MTP drafter's K/V at position i holds token i + 1: a hit of h tokens is only exact when token h

@@ -133,25 +133,29 @@ class KVCacheManager:
         hit: CacheHit | None = None,
         num_tokens_to_reserve: int = 0,
         num_draft_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> Allocation:
         """Blocks for `num_new_tokens` more tokens after the computed ones (and, for a request being
         admitted, after its `hit`, which it takes). Not ok when the pool cannot supply
         max(need, reservation) blocks; then nothing changed. The last `num_draft_tokens` of the new
-        tokens are speculative: they get slots, but no block is published on their account."""
+        tokens are speculative: they get slots, but no block is published on their account.
+        `num_lookahead_tokens` more slots after them are for a drafter's K/V while it proposes: attention
+        groups only, publishing nothing (a recurrent group's running page stays where the step ends)."""
         rid = request.request_id
         num_hit = 0 if hit is None else hit.num_tokens
         num_tokens = request.num_computed_tokens + num_hit + num_new_tokens
         # Fast path (most decode steps): every group already has the pages for `num_tokens`
         # and no block becomes full, so nothing to allocate or publish.
-        if num_tokens <= self._horizon.get(rid, -1) and not num_tokens_to_reserve and hit is None:
+        look = num_lookahead_tokens
+        if num_tokens + look <= self._horizon.get(rid, -1) and not num_tokens_to_reserve and hit is None:
             return NO_NEW_BLOCKS
         coord = self.coordinator
-        need = coord.get_num_blocks_to_allocate(rid, max(num_tokens, num_tokens_to_reserve), hit)
+        need = coord.get_num_blocks_to_allocate(rid, max(num_tokens, num_tokens_to_reserve), hit, look)
         if need > self.block_pool.free_block_queue.num_free_blocks:
             return OUT_OF_BLOCKS
         if hit is not None and num_hit:
             coord.save_new_computed_blocks(rid, hit)
-        new = coord.allocate_new_blocks(rid, num_tokens)
+        new = coord.allocate_new_blocks(rid, num_tokens, look)
         if self.enable_caching:
             coord.cache_blocks(request, num_tokens - num_draft_tokens)
         self._horizon[rid] = coord.token_horizon(rid)

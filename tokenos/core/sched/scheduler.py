@@ -252,7 +252,9 @@ class Scheduler:
             removed = kv.remove_skipped_blocks(req) if has_skipping else None
             while True:
                 look = self._lookahead(n + num_new)
-                alloc = kv.allocate_slots(req, num_new + look, num_draft_tokens=len(drafts) + look)
+                alloc = kv.allocate_slots(
+                    req, num_new, num_draft_tokens=len(drafts), num_lookahead_tokens=look
+                )
                 if alloc.ok:
                     break
                 victim = self._select_victim()
@@ -288,7 +290,7 @@ class Scheduler:
                 break
             look = self._lookahead(num_hit + num_new) if num_hit + num_new == req.num_tokens else 0
             alloc = kv.allocate_slots(
-                req, num_new + look, hit, num_tokens_to_reserve=req.num_tokens, num_draft_tokens=look
+                req, num_new, hit, num_tokens_to_reserve=req.num_tokens, num_lookahead_tokens=look
             )
             if not alloc.ok:
                 break  # head of line waits for memory
