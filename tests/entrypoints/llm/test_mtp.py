@@ -256,6 +256,22 @@ def test_greedy_output_is_the_output_without_speculation(mtp_model, plain_answer
     assert spec_stats(llm)["num_draft_tokens"] > 0
 
 
+def test_drafts_stop_at_the_end_of_the_context(mtp_model):
+    """Prompts a few tokens short of max_model_len: drafts are cut where the context ends (k = 3 wants
+    two lookahead slots past it), and the output is the output without speculation."""
+    folder, _ = mtp_model
+    prompts = HYBRID.prompts(3, 36, 44, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=20)
+    outputs = []
+    for spec in (None, mtp_config(3)):
+        llm = make_llm(folder, max_model_len=48, num_kv_blocks=200, speculative_config=spec)
+        outputs.append(
+            [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        )
+    assert outputs[0] == outputs[1] and spec_stats(llm)["num_draft_tokens"] > 0
+    assert [len(p) + len(o) for p, o in zip(prompts, outputs[1], strict=True)] == [48] * 3
+
+
 def test_seeded_sampling_runs_and_counts_drafts(mtp_model):
     folder, _ = mtp_model
     llm = make_llm(folder, speculative_config=mtp_config(2), **FAST)
