@@ -211,6 +211,26 @@ def test_sampled_proposals_draw_from_the_dense_reference_q(mtp_model):
         torch.testing.assert_close(q, want, atol=1e-5, rtol=1e-4)
 
 
+def test_kv_written_while_the_batch_is_too_large_to_draft_serves_later_drafts(mtp_model):
+    """With more running requests than disable_by_batch_size no drafts are made, but the MTP still writes
+    its K/V for every computed position: once the short requests finish, the long one drafts over them."""
+    folder, ref = mtp_model
+    dense = DenseMTP(folder, ref)
+    spec = {**mtp_config(2), "disable_by_batch_size": 1}
+    llm = make_llm(folder, speculative_config=spec, **FAST)
+    seen = record_proposals(llm)
+    prompts = HYBRID.prompts(3, 10, 20, seed=11)
+    params = [
+        SamplingParams(temperature=4.0, seed=i, max_tokens=m, ignore_eos=True)
+        for i, m in enumerate((3, 3, 14))
+    ]
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert seen and min(len(t) for t, _, _ in seen) > len(prompts[2]) + 3  # none while three ran
+    for tokens, drafts, q in sorted(seen, key=lambda s: -len(s[0])):
+        want = torch.stack([torch.softmax(lg / 4.0, -1) for lg in dense.draft_logits(tokens, drafts)])
+        torch.testing.assert_close(q, want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def plain_answers(mtp_model):
     """Greedy completions without speculation of the parity prompts (and the preemption workload's)."""
