@@ -13,10 +13,10 @@ state. Two invariants make its K/V exact, the ones `DraftModel` keeps:
   preemption serve it as they serve the target; positions after a rejection are rewritten later, as the
   target's are. The prefix hit is cut one boundary back (`KVCacheManager.hit_needs_next_token`) so the
   token after the reused prefix matched too.
-- Proposing (`propose`) takes each decoding request's MTP output at its last accepted position P - 1
-  (P: its token count less one), whose logits give draft 1; draft j > 1 re-runs the layer on its own
-  output and draft j - 1 at position P + j - 2, slots the scheduler reserved ahead
-  (`SpeculativeConfig.lookahead_slots`), verified (hence rewritten) by the next step.
+- Proposing (`propose`) takes the MTP output of each decoding request (N tokens, the last one just
+  sampled) at its last computed position N - 2, whose logits give draft 1; draft j > 1 re-runs the layer
+  on its own output and draft j - 1 at position N + j - 3, slots the scheduler reserved ahead
+  (`SpeculativeConfig.lookahead_slots`: k - 1), rewritten when the next step computes those positions.
 
 Greedy requests draft the argmax; sampling requests draw from q = softmax(logits / temperature) and keep
 q for the rejection sampler (`draft_model.draw_draft`), so the output is distributed as the target's.
