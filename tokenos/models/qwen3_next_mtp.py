@@ -56,6 +56,24 @@ class Qwen3NextMTP(PagedModel):
         self._shared = (embed, lm_head, rotary)
         self._cache_layers = bind_cache_layers(self)
 
+    @classmethod
+    def for_target(cls, config: ModelConfig, target: nn.Module) -> Qwen3NextMTP:
+        return cls(config, target.stack.embed, target.lm_head, target.stack.rotary)
+
+    @staticmethod
+    def weight_prefix(config: ModelConfig) -> str:
+        return MTP_PREFIX
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """Our parameter name for a checkpoint tensor under `weight_prefix`: the same."""
+        return name
+
+    @staticmethod
+    def num_layers(config: ModelConfig, names: list[str]) -> int:
+        """MTP layers in the checkpoint (``names``: its tensors under `weight_prefix`)."""
+        return len({n.split(".")[2] for n in names if n.startswith("mtp.layers.")})
+
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch

@@ -1,5 +1,6 @@
 """The MTP proposer (speculative method "mtp"): the target checkpoint's own multi-token-prediction layer
-drafts each decoding request's next k tokens (vLLM's EAGLE / MTP shape).
+(Qwen3-Next's ``mtp.*``, `models/qwen3_next_mtp.py`; DeepSeek V3's layer ``num_hidden_layers``,
+`models/deepseek_mtp.py`) drafts each decoding request's next k tokens (vLLM's EAGLE / MTP shape).
 
 The MTP's attention layer is a cache layer of the target's pool: its spec (the target's KV heads and
 head size, so the target's attention pages) joins the specs under the prefix ``mtp.`` and lands in a
@@ -37,13 +38,17 @@ from tokenos.model_loader import load_weights
 from tokenos.model_loader.safetensors_loader import iter_safetensors_weights, safetensors_names
 from tokenos.models.build import pack_for_inference
 from tokenos.models.config import ModelConfig
+from tokenos.models.deepseek_mtp import DeepseekMTP
 from tokenos.models.qwen3_next_mtp import MTP_PREFIX, Qwen3NextMTP
 from tokenos.worker.draft_model import draft_capacity, draw_draft, one_token_metadata
 from tokenos.worker.input_batch import InputBatch
 from tokenos.worker.step_inputs import StepInputs
 
-# Architectures whose MTP layer is built here.
-MTP_ARCHITECTURES = ("Qwen3NextForCausalLM",)
+# Architectures whose MTP layer is built here, and its module.
+MTP_MODELS: dict[str, type[Qwen3NextMTP] | type[DeepseekMTP]] = {
+    "Qwen3NextForCausalLM": Qwen3NextMTP,
+    "DeepseekV3ForCausalLM": DeepseekMTP,
+}
 
 
 class MtpDrafter:
@@ -61,7 +66,7 @@ class MtpDrafter:
 
     def get_kv_cache_spec(self, cache_config) -> dict[str, KVCacheSpec]:
         specs = self.model.get_kv_cache_spec(cache_config)
-        assert all(type(s) is FullAttentionSpec for s in specs.values())
+        assert all(isinstance(s, FullAttentionSpec) for s in specs.values())  # MLA's included
         return {self.prefix + name: spec for name, spec in specs.items()}
 
     def bind(self, entry_groups: list[int], block_sizes: dict[int, int]) -> None:
@@ -140,37 +145,43 @@ class MtpDrafter:
 
 def check_mtp_target(config: ModelConfig) -> None:
     """Refuse a target whose MTP layer is not built here or whose checkpoint carries none."""
-    if config.architecture not in MTP_ARCHITECTURES or config.model_impl != "tokenos":
+    cls = MTP_MODELS.get(config.architecture)
+    if cls is None or config.model_impl != "tokenos":
         raise ValueError(
-            f'speculative method "mtp" is built for {list(MTP_ARCHITECTURES)} (native code) only; '
+            f'speculative method "mtp" is built for {list(MTP_MODELS)} (native code) only; '
             f"{config.architecture} ({config.model_impl} implementation) has no MTP layer here."
         )
     if config.gguf_file or not os.path.isdir(config.model_path):
-        raise ValueError('speculative method "mtp" needs a safetensors checkpoint folder with mtp.* weights.')
-    layers = {n.split(".")[2] for n in safetensors_names(config.model_path) if n.startswith("mtp.layers.")}
+        raise ValueError('speculative method "mtp" needs a safetensors checkpoint folder with MTP weights.')
+    prefix = cls.weight_prefix(config)
+    layers = cls.num_layers(config, [n for n in safetensors_names(config.model_path) if n.startswith(prefix)])
     if not layers:
         raise ValueError(
-            f"the checkpoint {config.model_path!r} has no multi-token-prediction weights (mtp.*): "
+            f"the checkpoint {config.model_path!r} has no multi-token-prediction weights ({prefix}*): "
             'speculative method "mtp" needs them; use "ngram" or "suffix" instead.'
         )
-    if layers != {"0"}:
-        raise ValueError(f"the checkpoint has MTP layers {sorted(layers)}; only one (mtp.layers.0) is built.")
+    if layers != 1:
+        raise ValueError(f"the checkpoint has {layers} MTP layers; only one is built.")
 
 
-def build_mtp(config: ModelConfig, target: nn.Module) -> Qwen3NextMTP:
-    """The MTP module over ``target``'s embeddings, LM head and rotary, its ``mtp.*`` weights loaded."""
+def build_mtp(config: ModelConfig, target: nn.Module) -> Qwen3NextMTP | DeepseekMTP:
+    """The MTP module over ``target``'s shared parts (embeddings, rotary, for Qwen3-Next the LM head),
+    its own weights loaded from the target's checkpoint."""
+    cls = MTP_MODELS[config.architecture]
     previous = torch.get_default_dtype()
     torch.set_default_dtype(config.dtype)
     try:
-        mtp = Qwen3NextMTP(config, target.stack.embed, target.lm_head, target.stack.rotary)
+        mtp = cls.for_target(config, target)
     finally:
         torch.set_default_dtype(previous)
+    prefix = cls.weight_prefix(config)
     if config.quantization in ("gptq", "awq"):
         from tokenos.model_loader import iter_checkpoint_weights
 
-        stream = (item for item in iter_checkpoint_weights(config) if item[0].startswith(MTP_PREFIX))
+        stream = (item for item in iter_checkpoint_weights(config) if item[0].startswith(prefix))
     else:
-        stream = iter_safetensors_weights(config.model_path, MTP_PREFIX)
-    load_weights(mtp, config, ((name[len(MTP_PREFIX) :], t) for name, t in stream))
+        stream = iter_safetensors_weights(config.model_path, prefix)
+    renamed = ((cls.checkpoint_name(name[len(prefix) :]), t) for name, t in stream)
+    load_weights(mtp, config, ((name, t) for name, t in renamed if name is not None))
     pack_for_inference(mtp, config.quantization)
     return mtp.eval()
