@@ -151,6 +151,34 @@ def test_allocation_is_all_or_nothing_and_reserves_the_full_need():
     assert kv.allocate_slots(b, 4, num_tokens_to_reserve=8).ok
 
 
+def test_lookahead_slots_are_attention_pages_only():
+    """A drafter's lookahead slots (its K/V while proposing) extend the attention pages; the recurrent
+    running page stays the column where the step's state ends, which the worker reads."""
+    kv = _setup(attn(4), mamba(4, "align"))
+    req = _req(kv, "r", list(range(40)))
+    ids = kv.allocate_slots(req, 7, num_lookahead_tokens=2).new_block_ids
+    state = kv.get_block_ids("r")[1]
+    assert len(ids[0]) == 3  # 9 attention slots
+    assert len(state) == 2 and state[0] == 0 and state[1] != 0  # 7 tokens: the running state in column 1
+
+
+@pytest.mark.parametrize("recurrent", [False, True], ids=["attention", "hybrid"])
+def test_an_mtp_hit_ends_where_the_next_token_matched_too(recurrent):
+    """An MTP drafter's K/V at position i holds token i + 1: a hit of h tokens is only exact when token h
+    is among the tokens matched, so the lookup goes one boundary back from the first hit it finds."""
+    specs = (attn(4), mamba(4)) if recurrent else (attn(4),)
+    plain = _setup(*specs)
+    mtp = KVCacheManager(make_config(64, *specs), max_model_len=256, hit_needs_next_token=True)
+    for kv in (plain, mtp):
+        req = _req(kv, "r", list(range(20)))
+        _publish(kv, req, 0, range(4))  # 16 tokens of attention pages
+        if recurrent:
+            _publish(kv, req, 1, [1, 3])  # checkpoints at 8 and 16
+    assert plain.get_computed_blocks(_req(plain, "a", list(range(20)))).num_tokens == 16
+    # 16 matched tokens, but token 16 is not among them: the hit is 12 (8 on the hybrid's checkpoints).
+    assert mtp.get_computed_blocks(_req(mtp, "a", list(range(20)))).num_tokens == (8 if recurrent else 12)
+
+
 def test_mla_group_is_full_attention_to_the_manager():
     """An MLA group runs the full-attention manager: a finished request's blocks are hit by the next one
     with the same prefix, exactly as for an ordinary attention group."""

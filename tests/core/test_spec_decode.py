@@ -69,6 +69,18 @@ def test_ngram_proposer_is_prompt_lookup(tokens, growth, min_n, extra):
     assert proposer._index == {}
 
 
+def test_mtp_config_takes_vllms_keys_and_refuses_the_others():
+    config = SpeculativeConfig.parse('{"method": "mtp", "num_speculative_tokens": 2}')
+    assert (config.num_speculative_tokens, config.lookahead_slots, config.kv_reads_next_token) == (2, 1, True)
+    assert SpeculativeConfig.parse({"method": "mtp"}).num_speculative_tokens == 1  # vLLM's default
+    with pytest.raises(ValueError, match="model does not apply"):
+        SpeculativeConfig.parse({"method": "mtp", "model": "some/drafter", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="do not apply"):
+        SpeculativeConfig.parse({"method": "mtp", "prompt_lookup_max": 3})
+    assert SpeculativeConfig(method="draft_model", model="d", num_speculative_tokens=3).lookahead_slots == 3
+    assert SpeculativeConfig(method="ngram").lookahead_slots == 0
+
+
 def test_config_takes_vllms_dict_and_refuses_what_it_does_not_build():
     config = SpeculativeConfig.parse(
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'

@@ -58,7 +58,7 @@ def test_served_greedy_completions_equal_the_plain_engine(server, folder):
 
 
 def test_a_speculative_config_tokenos_does_not_build_stops_the_server(folder):
-    server = Server(folder, "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 1}')
+    server = Server(folder, "--speculative-config", '{"method": "eagle", "num_speculative_tokens": 1}')
     try:
         with pytest.raises(RuntimeError, match="not built"):
             server.wait_ready(timeout_s=120)

@@ -227,7 +227,8 @@ ENGINE_FLAGS: tuple[Flag, ...] = (
         "speculative_config",
         'speculative decoding, vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
         '"prompt_lookup_max": 4} (methods ngram, suffix, draft_model with "model": a drafter of the same '
-        "tokenizer; ngram and suffix on dense and hybrid models, draft_model on dense ones)",
+        "tokenizer, mtp: the checkpoint's own MTP layer (Qwen3-Next, DeepSeek V3); ngram, suffix and mtp on "
+        "dense and hybrid models, draft_model on dense ones)",
         type=json_object,
     ),
     Flag(

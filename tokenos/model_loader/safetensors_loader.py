@@ -24,9 +24,20 @@ def safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def iter_safetensors_weights(folder: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) for every tensor of every shard, without loading all at once."""
+def iter_safetensors_weights(folder: str, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) for every tensor of every shard whose name starts with ``prefix``, without
+    loading all at once (a tensor outside ``prefix`` is never read)."""
     for path in safetensors_files(folder):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if name.startswith(prefix):
+                    yield name, f.get_tensor(name)
+
+
+def safetensors_names(folder: str) -> list[str]:
+    """Every tensor name of a folder's shards (headers only)."""
+    names: list[str] = []
+    for path in safetensors_files(folder):
+        with safe_open(path, framework="pt") as f:
+            names.extend(f.keys())
+    return names

@@ -164,10 +164,11 @@ class Qwen3NextModel(DecoderStack):
 
 
 class Qwen3NextForCausalLM(CausalLM):
-    """Qwen3-Next (e.g. 80B-A3B) layout; multi-token-prediction (``mtp.*``) weights are skipped."""
+    """Qwen3-Next (e.g. 80B-A3B) layout; its multi-token-prediction (``mtp.*``) weights are not part of it."""
 
     packed_modules_mapping = FUSED_QKV_GATE_UP
-    # Released checkpoints carry a multi-token-prediction layer for speculative decoding; unused here.
+    # Released checkpoints carry a multi-token-prediction layer: with speculative method "mtp" it is
+    # built and loaded beside this model (`models/qwen3_next_mtp.py`, `worker/mtp.py`), else unused.
     ignored_weight_prefixes = ("mtp.",)
 
     def __init__(self, config: ModelConfig) -> None:

@@ -41,6 +41,8 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) over the generator's 
 
 
 class DraftModel:
+    prefix = PREFIX
+
     def __init__(self, target: ModelConfig, spec: SpeculativeConfig) -> None:
         if target.model_impl != "tokenos":
             raise ValueError(
@@ -87,9 +89,7 @@ class DraftModel:
         draft ids, and for sampling rows row -> q, [drafts, vocab] float32."""
         last = batch.num_tokens[rows].astype(np.int64) - 1
         # Within the slots reserved ahead, and leaving room for the token after the drafts.
-        capacity = np.minimum.reduce(
-            [batch.block_tables[g].num_blocks[rows].astype(np.int64) * b for g, b in self.block_sizes.items()]
-        )
+        capacity = draft_capacity(batch, rows, self.block_sizes)
         want = np.minimum(np.minimum(capacity - last, max_model_len - last - 2), self.k).clip(min=0)
         drafts: dict[int, list[int]] = {r: [] for r in rows}
         probs: dict[int, list[torch.Tensor]] = {}
@@ -116,48 +116,76 @@ class DraftModel:
         kv_caches: list,
     ) -> torch.Tensor:
         """One token per row at ``positions``: writes its K/V, returns the logits [rows, vocab]."""
-        local = np.arange(len(rows))
-        metadata: dict[int, AttentionMetadata] = {}
-        for g, block_size in self.block_sizes.items():
-            table = batch.block_tables[g]
-            width = max(int(table.num_blocks[rows].max()), 1)
-            block_table = np.ascontiguousarray(table.table[rows, :width])
-            slots = slot_mapping(block_table, local, positions, block_size)
-            metadata[g] = make_attention_metadata(
-                torch.from_numpy(block_table),
-                [1] * len(rows),
-                (positions + 1).tolist(),
-                torch.from_numpy(slots),
-                block_size,
-            )
         step = ForwardBatch(
             torch.from_numpy(tokens.astype(np.int64)),
             torch.from_numpy(positions.astype(np.int64)),
             kv_caches,
-            [metadata[g] for g in self.entry_groups],
+            one_token_metadata(batch, rows, positions, self.block_sizes, self.entry_groups),
         )
         return self.model.compute_logits(self.model(step)).float()
 
     def _draw(
         self, batch: InputBatch, row: int, logits: torch.Tensor, position: int
     ) -> tuple[int, torch.Tensor | None]:
-        """The drafter's token at ``row`` (its argmax for greedy requests, else a draw from q) and q."""
-        sampling = batch.sampling
-        if sampling.is_greedy[row]:
-            return int(logits.argmax()), None
-        q = torch.softmax(logits / float(sampling.temperature[row]), dim=-1)
-        seeded = sampling.generators[row]
-        if seeded is not None:  # a request's own stream: (its seed, this position)
-            gen = torch.Generator().manual_seed((seeded.initial_seed() * _SEED_MIX + position) % 2**63)
-        else:
-            gen = self.generator
-        return int(torch.multinomial(q, 1, generator=gen)), q
+        return draw_draft(batch, row, logits, position, self.generator)
 
 
-def drafter_specs(target: dict[str, KVCacheSpec], drafter: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+def one_token_metadata(
+    batch: InputBatch,
+    rows: list[int],
+    positions: np.ndarray,
+    block_sizes: dict[int, int],
+    entry_groups: list[int],
+) -> list[AttentionMetadata]:
+    """Per drafter entry, the attention metadata of one token per batch row at ``positions`` (its slot
+    in the row's own pages: a drafter's proposing forwards)."""
+    local = np.arange(len(rows))
+    metadata: dict[int, AttentionMetadata] = {}
+    for g, block_size in block_sizes.items():
+        table = batch.block_tables[g]
+        width = max(int(table.num_blocks[rows].max()), 1)
+        block_table = np.ascontiguousarray(table.table[rows, :width])
+        slots = slot_mapping(block_table, local, positions, block_size)
+        metadata[g] = make_attention_metadata(
+            torch.from_numpy(block_table),
+            [1] * len(rows),
+            (positions + 1).tolist(),
+            torch.from_numpy(slots),
+            block_size,
+        )
+    return [metadata[g] for g in entry_groups]
+
+
+def draft_capacity(batch: InputBatch, rows: list[int], block_sizes: dict[int, int]) -> np.ndarray:
+    """Slots each row's pages hold in every drafter group (drafts write K/V no further)."""
+    return np.minimum.reduce(
+        [batch.block_tables[g].num_blocks[rows].astype(np.int64) * b for g, b in block_sizes.items()]
+    )
+
+
+def draw_draft(
+    batch: InputBatch, row: int, logits: torch.Tensor, position: int, generator: torch.Generator
+) -> tuple[int, torch.Tensor | None]:
+    """The drafter's token at ``row`` (its argmax for greedy requests, else a draw from q) and q."""
+    sampling = batch.sampling
+    if sampling.is_greedy[row]:
+        return int(logits.argmax()), None
+    q = torch.softmax(logits / float(sampling.temperature[row]), dim=-1)
+    seeded = sampling.generators[row]
+    if seeded is not None:  # a request's own stream: (its seed, this position)
+        gen = torch.Generator().manual_seed((seeded.initial_seed() * _SEED_MIX + position) % 2**63)
+    else:
+        gen = generator
+    return int(torch.multinomial(q, 1, generator=gen)), q
+
+
+def drafter_specs(
+    target: dict[str, KVCacheSpec], drafter: dict[str, KVCacheSpec], hybrid_ok: bool = False
+) -> dict[str, KVCacheSpec]:
     """The drafter's specs, refused where its pages cannot share the target's pool exactly: a hybrid
-    (recurrent-state) target, or attention pages of another shape than the target's."""
-    if any(isinstance(s, MambaSpec) for s in target.values()):
+    (recurrent-state) target (unless ``hybrid_ok``: the MTP layer, whose one attention layer has the
+    target's attention pages), or attention pages of another shape than the target's."""
+    if not hybrid_ok and any(isinstance(s, MambaSpec) for s in target.values()):
         raise ValueError(
             'speculative method "draft_model" on hybrid (recurrent-state) models is not built yet: '
             "serve this model without speculative_config."

@@ -39,10 +39,10 @@ from tokenos.sample.logits_processor import EngineConfig, LogitsProcessor, build
 from tokenos.sample.metadata import SamplingMetadata
 from tokenos.sample.rejection import RejectionSampler
 from tokenos.sample.sampler import Sampler, compute_prompt_logprobs
-from tokenos.worker.draft_model import PREFIX as DRAFTER_PREFIX
 from tokenos.worker.draft_model import DraftModel, drafter_specs
 from tokenos.worker.input_batch import InputBatch
 from tokenos.worker.kv_cache import allocate_kv_caches
+from tokenos.worker.mtp import MtpDrafter
 from tokenos.worker.recurrent import (
     apply_prefix_page_copies,
     apply_state_copies,
@@ -72,8 +72,9 @@ class ModelRunner:
         """``logits_processors``: custom processor classes (`tokenos.sample.logits_processor`), each built
         once with the engine's configs (``scheduler_config`` among them). ``lora_config``: serve LoRA
         adapters (`tokenos.lora`); the adapters themselves are registered on ``self.lora``.
-        ``speculative_config`` with method "draft_model": the drafter is loaded here beside the model
-        (`tokenos.worker.draft_model`); other methods propose in the engine core."""
+        ``speculative_config`` with method "draft_model" or "mtp": the drafter is loaded here beside the
+        model (`tokenos.worker.draft_model`, `tokenos.worker.mtp`: the target's own MTP layer); other
+        methods propose in the engine core."""
         torch.manual_seed(seed)
         self.num_threads = configure_threads()
         self.model_config = model_config
@@ -82,9 +83,12 @@ class ModelRunner:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = model_config.max_model_len
         self.model = build_model(model_config)
-        self.drafter = None
-        if speculative_config is not None and speculative_config.method == "draft_model":
+        self.drafter: DraftModel | MtpDrafter | None = None
+        method = speculative_config.method if speculative_config is not None else None
+        if method == "draft_model":
             self.drafter = DraftModel(model_config, speculative_config)
+        elif method == "mtp":
+            self.drafter = MtpDrafter(model_config, speculative_config, self.model)
         # Draft q of the drafts proposed last step, per request (sampling requests only).
         self.draft_probs: dict[str, torch.Tensor] = {}
         calculate_kv_scales = getattr(cache_config, "calculate_kv_scales", False)
@@ -153,11 +157,14 @@ class ModelRunner:
         return "C kernel" if all(cpu_kernels.prefill_supported(*s) for s in shapes) else "torch SDPA"
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
-        """The model's cache layers' specs, then the drafter's (named ``drafter.*``), in entry order."""
+        """The model's cache layers' specs, then the drafter's (named ``drafter.*``, or ``mtp.*`` for the MTP
+        layer), in entry order."""
         specs = self.model.get_kv_cache_spec(self.cache_config)
         if self.drafter is None:
             return specs
-        return {**specs, **drafter_specs(specs, self.drafter.get_kv_cache_spec(self.cache_config))}
+        # The MTP keeps no recurrent state: on a hybrid it only adds attention pages of the target's shape.
+        hybrid_ok = isinstance(self.drafter, MtpDrafter)
+        return {**specs, **drafter_specs(specs, self.drafter.get_kv_cache_spec(self.cache_config), hybrid_ok)}
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         entries = list(self.get_kv_cache_spec())
@@ -171,7 +178,7 @@ class ModelRunner:
             g: [i for i, eg in enumerate(self.entry_groups) if eg == g] for g in range(len(groups))
         }
         if self.drafter is not None:
-            first = next(i for i, name in enumerate(entries) if name.startswith(DRAFTER_PREFIX))
+            first = len(entries) - sum(1 for name in entries if name.startswith(self.drafter.prefix))
             groups_of_drafter = self.entry_groups[first:]
             sizes = {g: self.group_specs[g].block_size for g in groups_of_drafter}
             self.drafter.bind(groups_of_drafter, sizes)
@@ -255,10 +262,10 @@ class ModelRunner:
             self.entry_groups,
         )
         hidden = self.model(forward_batch)
-        if self.drafter is not None:
+        if isinstance(self.drafter, DraftModel):  # the MTP runs after sampling: it reads the next tokens
             self.drafter.run_step(forward_batch, self._drafter_caches())
         if drafts is not None:
-            out = self._verify_drafts(hidden, inputs, req_ids, drafts, grammar_masks)
+            out = self._verify_drafts(hidden, inputs, req_ids, drafts, grammar_masks, forward_batch)
             self._commit_recurrent(group_metadata, out.sampled_token_ids)
             return out
 
@@ -286,7 +293,7 @@ class ModelRunner:
                 sampled_lists.append([])
                 logprobs.append(None)
         batch.num_computed_tokens[:n] = seq_after
-        return self._output(hidden, req_ids, inputs, sampled_lists, logprobs, failed)
+        return self._output(hidden, req_ids, inputs, sampled_lists, logprobs, failed, forward_batch)
 
     # ------------------------------------------------------------------ LoRA
 
@@ -350,7 +357,9 @@ class ModelRunner:
         sampled: list[list[int]],
         logprobs: list[list[TokenLogprobs] | None],
         failed: dict[str, str],
+        forward_batch: ForwardBatch,
     ) -> ModelRunnerOutput:
+        drafts = self._propose(req_ids, sampled, hidden, inputs, forward_batch) if self.drafter else None
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
@@ -358,7 +367,7 @@ class ModelRunner:
             logprobs=logprobs if any(lp is not None for lp in logprobs) else None,
             prompt_logprobs=self._prompt_logprobs(hidden, req_ids, inputs),
             failed=failed,
-            draft_token_ids=self._propose(req_ids, sampled) if self.drafter is not None else None,
+            draft_token_ids=drafts,
         )
 
     # ------------------------------------------------------------------ speculative decoding
@@ -366,16 +375,31 @@ class ModelRunner:
     def _drafter_caches(self) -> list:
         return self.kv_caches[len(self.kv_caches) - self.drafter.num_entries :]
 
-    def _propose(self, req_ids: list[str], sampled: list[list[int]]) -> dict[str, list[int]]:
+    def _propose(
+        self,
+        req_ids: list[str],
+        sampled: list[list[int]],
+        hidden: torch.Tensor,
+        inputs: StepInputs,
+        forward_batch: ForwardBatch,
+    ) -> dict[str, list[int]]:
         """The drafter's drafts for every request that sampled this step (now decoding), for the next
         step; their q kept for its verification. Nothing while the batch is too large to speculate (the
-        scheduler would drop them: `SpeculativeConfig.disable_by_batch_size`), so none are computed."""
+        scheduler would drop them: `SpeculativeConfig.disable_by_batch_size`), so none are computed; the
+        MTP still computes its K/V for the step's positions (every position the target computes)."""
         self.draft_probs = {}
         batch = self.input_batch
+        caches = self._drafter_caches()
+        mtp_out = None
+        if isinstance(self.drafter, MtpDrafter):
+            mtp_out = self.drafter.run_step(batch, inputs, hidden, forward_batch, caches)
         rows = [row for row, tokens in enumerate(sampled) if tokens]
         if not rows or batch.num_reqs > self.drafter.disable_by_batch_size:
             return {}
-        drafts, probs = self.drafter.propose(batch, rows, self._drafter_caches(), self.max_model_len)
+        if mtp_out is not None:
+            drafts, probs = self.drafter.propose(batch, rows, inputs, mtp_out, caches, self.max_model_len)
+        else:
+            drafts, probs = self.drafter.propose(batch, rows, caches, self.max_model_len)
         self.draft_probs = {req_ids[row]: q for row, q in probs.items()}
         return {req_ids[row]: d for row, d in drafts.items() if d}
 
@@ -410,6 +434,7 @@ class ModelRunner:
         req_ids: list[str],
         drafts: list[list[int]],
         grammar_masks: dict[str, np.ndarray] | None,
+        forward_batch: ForwardBatch,
     ) -> ModelRunnerOutput:
         """Score every draft position and the one after it in one LM-head call, keep the accepted drafts
         and one more token per request (`RejectionSampler`), and count the rejected positions out."""
@@ -444,7 +469,7 @@ class ModelRunner:
             out_logprobs.append(logprobs[row])
             seq_after[row] -= len(drafts[row]) + 1 - len(emitted)
         batch.num_computed_tokens[:n] = seq_after
-        return self._output(hidden, req_ids, inputs, sampled_lists, out_logprobs, failed)
+        return self._output(hidden, req_ids, inputs, sampled_lists, out_logprobs, failed, forward_batch)
 
     def _spec_sample(
         self,

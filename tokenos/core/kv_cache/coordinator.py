@@ -124,11 +124,17 @@ class KVCacheCoordinator:
 
     # ------------------------------------------------------------------ allocation
 
-    def get_num_blocks_to_allocate(self, request_id: str, num_tokens: int, hit: CacheHit | None) -> int:
+    def get_num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, hit: CacheHit | None, lookahead: int = 0
+    ) -> int:
+        """``lookahead``: slots past ``num_tokens`` for a drafter's K/V, in the attention groups only."""
         if hit is None:
-            return sum(m.get_num_blocks_to_allocate(request_id, num_tokens, ()) for m in self.managers)
+            return sum(
+                m.get_num_blocks_to_allocate(request_id, self._extent(m, num_tokens, lookahead), ())
+                for m in self.managers
+            )
         need = sum(
-            m.get_num_blocks_to_allocate(request_id, num_tokens, blocks)
+            m.get_num_blocks_to_allocate(request_id, self._extent(m, num_tokens, lookahead), blocks)
             for m, blocks in zip(self.managers, hit.blocks, strict=True)
         )
         return need + self.cow.extra_blocks(hit)
@@ -138,8 +144,18 @@ class KVCacheCoordinator:
             m.save_new_computed_blocks(request_id, blocks)
         self.cow.adopt(request_id, hit)
 
-    def allocate_new_blocks(self, request_id: str, num_tokens: int) -> tuple[list[KVCacheBlock], ...]:
-        return tuple(m.allocate_new_blocks(request_id, num_tokens) for m in self.managers)
+    def allocate_new_blocks(
+        self, request_id: str, num_tokens: int, lookahead: int = 0
+    ) -> tuple[list[KVCacheBlock], ...]:
+        return tuple(
+            m.allocate_new_blocks(request_id, self._extent(m, num_tokens, lookahead)) for m in self.managers
+        )
+
+    @staticmethod
+    def _extent(m: SingleTypeKVCacheManager, num_tokens: int, lookahead: int) -> int:
+        """Tokens group ``m`` allocates for: a recurrent group's running page is where the step's state
+        ends, never moved by slots reserved ahead for a drafter (which has attention layers only)."""
+        return num_tokens if isinstance(m, MambaManager) else num_tokens + lookahead
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Publish attention blocks full after this step (same-step sharing is safe for them)."""

@@ -4,6 +4,9 @@ uses only this class's public methods; everything below it (coordinator, manager
 It wraps the coordinator with the request-level rules:
 - the hit is capped at `num_tokens - 1`, so the last token is always computed (its logits are
   needed) and a full hit never leaves a zero-length step;
+- with `hit_needs_next_token` (an MTP drafter, whose K/V at position i holds token i + 1) the hit is
+  looked up again below the first one found, so the token at the hit boundary is inside the matched
+  prefix too: the drafter's K/V at the last reused position was written with this request's next token;
 - requests asking for prompt logprobs skip the lookup (every prompt position must be computed);
 - `allocate_slots` is all-or-nothing: it checks the free-block count for the whole need
   (optionally a larger reservation, e.g. the whole prompt at admission) before touching the pool,
@@ -46,6 +49,7 @@ class KVCacheManager:
         enable_caching: bool = True,
         hash_algo: str = "sha256",
         checkpoint_at_end: bool = False,
+        hit_needs_next_token: bool = False,
     ) -> None:
         self.kv_cache_config = kv_cache_config
         self.max_model_len = max_model_len
@@ -60,6 +64,7 @@ class KVCacheManager:
         self.has_recurrent = bool(self.coordinator.recurrent)
         self.has_skipping = bool(self.coordinator.skippers)
         self.cow = self.coordinator.cow
+        self.hit_needs_next_token = hit_needs_next_token
         self.miss = CacheHit.miss(self.num_groups)
         # request id -> token count reachable without allocating or publishing (fast path).
         self._horizon: dict[str, int] = {}
@@ -93,11 +98,10 @@ class KVCacheManager:
         """The request's longest usable prefix hit (a miss of 0 tokens when there is none)."""
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return self.miss
-        max_length = request.num_tokens - 1
-        if self.fine is not None:
-            hit = self.fine.find(request, max_length)
-        else:
-            hit = self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
+        hit = self._find(request, request.num_tokens - 1)
+        if self.hit_needs_next_token and hit.num_tokens:
+            # The tokens matched cover [0, hit); one lower boundary has its next token among them.
+            hit = self._find(request, hit.num_tokens - 1)
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += hit.num_tokens
         if hit.num_tokens:
@@ -106,6 +110,11 @@ class KVCacheManager:
             for gid, blocks in enumerate(hit.blocks):
                 self.hit_pages_by_group[gid] += sum(1 for b in blocks if not b.is_null)
         return hit
+
+    def _find(self, request: Request, max_length: int) -> CacheHit:
+        if self.fine is not None:
+            return self.fine.find(request, max_length)
+        return self.coordinator.find_longest_cache_hit(request.block_hashes, max_length)
 
     def pages_by_group(self) -> list[int]:
         """Pages (other than the null block) held by requests, per KV-cache group; a page shared by
@@ -124,25 +133,29 @@ class KVCacheManager:
         hit: CacheHit | None = None,
         num_tokens_to_reserve: int = 0,
         num_draft_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> Allocation:
         """Blocks for `num_new_tokens` more tokens after the computed ones (and, for a request being
         admitted, after its `hit`, which it takes). Not ok when the pool cannot supply
         max(need, reservation) blocks; then nothing changed. The last `num_draft_tokens` of the new
-        tokens are speculative: they get slots, but no block is published on their account."""
+        tokens are speculative: they get slots, but no block is published on their account.
+        `num_lookahead_tokens` more slots after them are for a drafter's K/V while it proposes: attention
+        groups only, publishing nothing (a recurrent group's running page stays where the step ends)."""
         rid = request.request_id
         num_hit = 0 if hit is None else hit.num_tokens
         num_tokens = request.num_computed_tokens + num_hit + num_new_tokens
         # Fast path (most decode steps): every group already has the pages for `num_tokens`
         # and no block becomes full, so nothing to allocate or publish.
-        if num_tokens <= self._horizon.get(rid, -1) and not num_tokens_to_reserve and hit is None:
+        look = num_lookahead_tokens
+        if num_tokens + look <= self._horizon.get(rid, -1) and not num_tokens_to_reserve and hit is None:
             return NO_NEW_BLOCKS
         coord = self.coordinator
-        need = coord.get_num_blocks_to_allocate(rid, max(num_tokens, num_tokens_to_reserve), hit)
+        need = coord.get_num_blocks_to_allocate(rid, max(num_tokens, num_tokens_to_reserve), hit, look)
         if need > self.block_pool.free_block_queue.num_free_blocks:
             return OUT_OF_BLOCKS
         if hit is not None and num_hit:
             coord.save_new_computed_blocks(rid, hit)
-        new = coord.allocate_new_blocks(rid, num_tokens)
+        new = coord.allocate_new_blocks(rid, num_tokens, look)
         if self.enable_caching:
             coord.cache_blocks(request, num_tokens - num_draft_tokens)
         self._horizon[rid] = coord.token_horizon(rid)

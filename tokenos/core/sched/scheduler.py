@@ -75,6 +75,7 @@ class Scheduler:
             enable_caching=cache_config.enable_prefix_caching,
             hash_algo=cache_config.hash_algo,
             checkpoint_at_end=cache_config.mamba_checkpoint_at_end,
+            hit_needs_next_token=speculative_config is not None and speculative_config.kv_reads_next_token,
         )
         kv = self.kv_cache_manager
         alignment = kv_cache_config.scheduler_alignment if kv.enable_caching else 1
@@ -95,10 +96,9 @@ class Scheduler:
         self.max_drafts = _max_drafts(kv_cache_config, speculative_config) if speculative_config else 0
         self.spec = speculative_config
         self.proposer = make_proposer(speculative_config) if speculative_config is not None else None
-        # A model drafter writes its K/V at the k positions after a request's last token while it proposes
+        # A model drafter writes its K/V at positions after a request's last token while it proposes
         # (before the next step schedules them): slots the allocation reserves ahead, publishing nothing.
-        drafter = speculative_config is not None and speculative_config.method == "draft_model"
-        self.num_lookahead = speculative_config.num_speculative_tokens if drafter else 0
+        self.num_lookahead = speculative_config.lookahead_slots if speculative_config is not None else 0
         self.spec_stats = SpecStats(speculative_config.num_speculative_tokens if speculative_config else 0)
         self.max_loras = max_loras
         # Called with every request the scheduler lets go (finished, aborted): the engine releases its
@@ -252,7 +252,9 @@ class Scheduler:
             removed = kv.remove_skipped_blocks(req) if has_skipping else None
             while True:
                 look = self._lookahead(n + num_new)
-                alloc = kv.allocate_slots(req, num_new + look, num_draft_tokens=len(drafts) + look)
+                alloc = kv.allocate_slots(
+                    req, num_new, num_draft_tokens=len(drafts), num_lookahead_tokens=look
+                )
                 if alloc.ok:
                     break
                 victim = self._select_victim()
@@ -288,7 +290,7 @@ class Scheduler:
                 break
             look = self._lookahead(num_hit + num_new) if num_hit + num_new == req.num_tokens else 0
             alloc = kv.allocate_slots(
-                req, num_new + look, hit, num_tokens_to_reserve=req.num_tokens, num_draft_tokens=look
+                req, num_new, hit, num_tokens_to_reserve=req.num_tokens, num_lookahead_tokens=look
             )
             if not alloc.ok:
                 break  # head of line waits for memory

@@ -2,12 +2,12 @@
 
 A proposer guesses each decoding request's next tokens from its tokens alone (no model); the scheduler
 schedules them beside the request's last token and the worker verifies them in the same forward pass
-(`tokenos.sample.rejection`). A model drafter ("draft_model") runs in the worker; its proposer here only
-hands the worker's drafts on (`draft_model.DraftModelProposer`). Pure Python, like the rest of
-`tokenos.core`.
+(`tokenos.sample.rejection`). A model drafter ("draft_model", "mtp") runs in the worker; its proposer
+here only hands the worker's drafts on (`draft_model.DraftModelProposer`). Pure Python, like the rest
+of `tokenos.core`.
 """
 
-from tokenos.core.spec_decode.config import SpeculativeConfig
+from tokenos.core.spec_decode.config import WORKER_METHODS, SpeculativeConfig
 from tokenos.core.spec_decode.draft_model import DraftModelProposer
 from tokenos.core.spec_decode.ngram import NgramProposer
 from tokenos.core.spec_decode.suffix import SuffixProposer
@@ -17,7 +17,7 @@ __all__ = ["DraftModelProposer", "NgramProposer", "SpeculativeConfig", "SuffixPr
 
 def make_proposer(config: SpeculativeConfig) -> NgramProposer | SuffixProposer | DraftModelProposer:
     """The proposer `config.method` names."""
-    if config.method == "draft_model":
+    if config.method in WORKER_METHODS:
         return DraftModelProposer(config.num_speculative_tokens)
     if config.method == "suffix":
         return SuffixProposer(
