@@ -4,15 +4,10 @@ counts the drafts under vLLM's names."""
 
 from __future__ import annotations
 
-import json
-
-import httpx
 import pytest
 
 from tests.fixtures.checkpoints import SERVED_LLAMA, save_qwen3_next_mtp
-from tests.fixtures.llm import make_llm
-from tests.fixtures.servers import metric, running_server
-from tokenos import SamplingParams
+from tests.fixtures.servers import served_spec_decode
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -31,16 +26,7 @@ def folder(tmp_path_factory) -> str:
 
 def test_served_mtp_completions_equal_the_plain_engine(folder):
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    llm = make_llm(folder, skip_tokenizer_init=False)
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    want = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-    with running_server(folder, "--speculative-config", json.dumps(spec)) as server:
-        body = {"model": "tiny", "prompt": PROMPTS, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-        got = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
-        assert [c["text"] for c in got["choices"]] == want
-        text = httpx.get(f"{server.url}/metrics").text
-    drafts = metric(text, "vllm:spec_decode_num_draft_tokens_total{")
-    accepted = metric(text, "vllm:spec_decode_num_accepted_tokens_total{")
+    drafts, accepted, text = served_spec_decode(folder, spec, PROMPTS, max_tokens=16)
     assert drafts > 0 and 0 <= accepted <= drafts
     assert (
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="1"}'

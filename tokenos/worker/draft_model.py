@@ -40,7 +40,28 @@ PREFIX = "drafter."
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, position) over the generator's seed space
 
 
-class DraftModel:
+class PoolDrafter:
+    """What a worker drafter whose attention pages are entries of the target's pool keeps: k, the batch
+    size past which it drafts nothing, its draw generator, and (after `bind`) its entries' groups."""
+
+    prefix: str
+
+    def __init__(self, spec: SpeculativeConfig) -> None:
+        self.k = spec.num_speculative_tokens
+        self.disable_by_batch_size = spec.disable_by_batch_size
+        self.generator = torch.Generator().manual_seed(0)
+        self.num_entries = 0
+        self.entry_groups: list[int] = []
+        self.block_sizes: dict[int, int] = {}
+
+    def bind(self, entry_groups: list[int], block_sizes: dict[int, int]) -> None:
+        """The drafter's pool entries' KV-cache groups (in its layer order) and those groups' block sizes."""
+        self.num_entries = len(entry_groups)
+        self.entry_groups = entry_groups
+        self.block_sizes = block_sizes
+
+
+class DraftModel(PoolDrafter):
     prefix = PREFIX
 
     def __init__(self, target: ModelConfig, spec: SpeculativeConfig) -> None:
@@ -49,15 +70,10 @@ class DraftModel:
                 'speculative method "draft_model" needs a target with native tokenos code; '
                 f"{target.architecture} runs on the transformers backend."
             )
-        self.k = spec.num_speculative_tokens
-        self.disable_by_batch_size = spec.disable_by_batch_size
+        super().__init__(spec)
         self.config = load_model_config(spec.model, dtype=target.dtype, max_model_len=target.max_model_len)
         check_drafter(target, self.config)
         self.model = build_model(self.config)
-        self.generator = torch.Generator().manual_seed(0)
-        self.num_entries = 0
-        self.entry_groups: list[int] = []
-        self.block_sizes: dict[int, int] = {}
 
     def get_kv_cache_spec(self, cache_config) -> dict[str, KVCacheSpec]:
         specs = self.model.get_kv_cache_spec(cache_config)
@@ -68,12 +84,6 @@ class DraftModel:
                     "drafters are not built yet; use a full-attention drafter."
                 )
         return {PREFIX + name: spec for name, spec in specs.items()}
-
-    def bind(self, entry_groups: list[int], block_sizes: dict[int, int]) -> None:
-        """The drafter's pool entries' KV-cache groups (in its layer order) and those groups' block sizes."""
-        self.num_entries = len(entry_groups)
-        self.entry_groups = entry_groups
-        self.block_sizes = block_sizes
 
     def run_step(self, batch: ForwardBatch, kv_caches: list) -> None:
         """The drafter over the step's flat batch, with its own pool entries: its K/V for every token the

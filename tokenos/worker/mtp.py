@@ -40,7 +40,7 @@ from tokenos.models.build import pack_for_inference
 from tokenos.models.config import ModelConfig
 from tokenos.models.deepseek_mtp import DeepseekMTP
 from tokenos.models.qwen3_next_mtp import MTP_PREFIX, Qwen3NextMTP
-from tokenos.worker.draft_model import draft_capacity, draw_draft, one_token_metadata
+from tokenos.worker.draft_model import PoolDrafter, draft_capacity, draw_draft, one_token_metadata
 from tokenos.worker.input_batch import InputBatch
 from tokenos.worker.step_inputs import StepInputs
 
@@ -51,29 +51,18 @@ MTP_MODELS: dict[str, type[Qwen3NextMTP] | type[DeepseekMTP]] = {
 }
 
 
-class MtpDrafter:
+class MtpDrafter(PoolDrafter):
     prefix = MTP_PREFIX
 
     def __init__(self, target_config: ModelConfig, spec: SpeculativeConfig, target: nn.Module) -> None:
         check_mtp_target(target_config)
-        self.k = spec.num_speculative_tokens
-        self.disable_by_batch_size = spec.disable_by_batch_size
+        super().__init__(spec)
         self.model = build_mtp(target_config, target)
-        self.generator = torch.Generator().manual_seed(0)
-        self.num_entries = 0
-        self.entry_groups: list[int] = []
-        self.block_sizes: dict[int, int] = {}
 
     def get_kv_cache_spec(self, cache_config) -> dict[str, KVCacheSpec]:
         specs = self.model.get_kv_cache_spec(cache_config)
         assert all(isinstance(s, FullAttentionSpec) for s in specs.values())  # MLA's included
         return {self.prefix + name: spec for name, spec in specs.items()}
-
-    def bind(self, entry_groups: list[int], block_sizes: dict[int, int]) -> None:
-        """The MTP's pool entries' KV-cache groups and those groups' block sizes."""
-        self.num_entries = len(entry_groups)
-        self.entry_groups = entry_groups
-        self.block_sizes = block_sizes
 
     def run_step(
         self,
