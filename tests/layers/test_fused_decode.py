@@ -41,10 +41,12 @@ def _logprobs(sample) -> list[float]:
     return [lp[t].logprob for lp, t in zip(sample.logprobs, sample.token_ids, strict=True)]
 
 
-def _run(folder, monkeypatch, fused: bool, prompts, n=1, passes=1, **kwargs):
+def _run(folder, monkeypatch, fused: bool, prompts, n=1, passes=1, max_query=1, **kwargs):
     """(outputs of each pass over ``prompts``, the model's plan, steps it ran, the LLM's metrics) of one
-    fresh `LLM`; a second pass hits the prefix cache."""
+    fresh `LLM`; a second pass hits the prefix cache. ``max_query`` 1: decode-only steps alone are fused
+    (those equal the module path bit for bit)."""
     monkeypatch.setenv("TOKENOS_DISABLE_FUSED_DECODE", "0" if fused else "1")
+    monkeypatch.setattr(FusedDecodePlan, "max_query", max_query)
     taken = []
     original = FusedDecodePlan.run
     monkeypatch.setattr(FusedDecodePlan, "run", lambda self, *a: taken.append(1) or original(self, *a))
@@ -112,3 +114,37 @@ def test_disabled_by_environment(tmp_path, monkeypatch):
     llm = make_llm(folder, quantization="int4")
     generate_greedy(llm, [[5, 6, 7]], max_tokens=2)
     assert _stack(llm)._fused is None
+
+
+def test_verify_steps_attend_as_decodes_of_their_own_length(tmp_path, monkeypatch):
+    """Speculation's verify steps (a decode and its drafts per request) are fused too: each token attends
+    through the decode kernel up to its own position. Greedy output equals no speculation, and
+    logprobs equal the module path's (which takes the prefill kernel for those rows) within float32
+    rounding."""
+    folder = str(tmp_path / "llama")
+    save_tiny("llama", folder, **LLM_SHAPE)
+    base = random_prompts(4, 4, 8, seed=9, vocab=LLM_SHAPE["vocab_size"])
+    prompts = [p * 4 for p in base]  # repeats: n-gram drafts get accepted
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    kwargs = dict(quantization="int4", max_num_seqs=3, block_size=16)
+    multi = []
+    original = FusedDecodePlan._step
+    monkeypatch.setattr(
+        FusedDecodePlan,
+        "_step",
+        lambda self, meta, batch, *a: (
+            multi.append(meta.num_reqs < batch.input_ids.shape[0]) or original(self, meta, batch, *a)
+        ),
+    )
+    fused, _, taken, metrics = _run(
+        folder, monkeypatch, True, prompts, max_query=8, speculative_config=spec, **kwargs
+    )
+    assert taken and any(multi) and metrics["spec_decoding"]["num_accepted_tokens"] > 0
+    plain, *_ = _run(folder, monkeypatch, True, prompts, max_query=8, **kwargs)
+    module, *_ = _run(folder, monkeypatch, False, prompts, speculative_config=spec, **kwargs)
+    tokens = [[sample[0] for sample in out] for out in fused[0]]
+    assert tokens == [[sample[0] for sample in out] for out in plain[0]]
+    assert tokens == [[sample[0] for sample in out] for out in module[0]]
+    ours = [lp for out in fused[0] for sample in out for lp in sample[1]]
+    theirs = [lp for out in module[0] for sample in out for lp in sample[1]]
+    assert ours == pytest.approx(theirs, abs=1e-4)

@@ -1,4 +1,4 @@
-"""Decode-only steps of a Llama-style stack with quantized linears, one C call per layer.
+"""Decode steps of a Llama-style stack with quantized linears, one C call per layer.
 
 At decode sizes a layer's work is a dozen small kernels (two norms, four weight-only GEMVs, rotary, the
 KV write, paged attention, SiLU-and-mul), and each costs a Python call, a ctypes conversion and a torch
@@ -10,7 +10,11 @@ the module path stays the reference and takes every other step.
 `FusedDecodePlan.build(stack)` says once per model whether every layer qualifies: Llama's
 ``DecoderLayer`` exactly (no q/k norms, no output scale), plain RMSNorms, SiLU gating, all four linears
 quantized with the C kernel for the model's dtype and no LoRA, attention without soft cap or sinks.
-`takes(batch)` says per step whether the step is decodes only, on pages of the model's dtype.
+`takes(batch)` says per step whether every request has at most ``max_query`` tokens (a decode, and the
+drafts being verified when speculating), on pages of the model's dtype. A step of decodes only is the
+module path's arithmetic exactly; a token among several of its request attends through the decode
+kernel as a decode of its own length, where the module path takes the prefill kernel (the same
+attention, summed in another order).
 ``TOKENOS_DISABLE_FUSED_DECODE=1`` turns it off (the module path then runs every step).
 """
 
@@ -111,6 +115,12 @@ def _qualifies(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
 
 
 class FusedDecodePlan:
+    # A request's tokens per step taken here: a decode and up to 7 drafts, or a chunk that short. Token t
+    # attends as a decode of length position + 1 (its K/V and the earlier ones of the step are written
+    # first, so it sees exactly its causal prefix); longer chunks go to the tiled prefill kernel, which
+    # reads each K/V row once per chunk instead of once per token.
+    max_query = 8
+
     def __init__(self, stack: torch.nn.Module, dtype: torch.dtype) -> None:
         self.dtype = dtype
         self.fn = getattr(cpu_kernels.load(), f"decode_layer_{cpu_kernels.DTYPES[dtype]}")
@@ -163,14 +173,15 @@ class FusedDecodePlan:
         return _Layer(desc, attn.attn, (bias, ln1.weight, ln2.weight))
 
     def takes(self, batch: ForwardBatch) -> bool:
-        """Whether this step is decodes only (one token per request, in request order) on pages the
-        kernel reads: the model's dtype, whole-row pages."""
+        """Whether every request of this step has at most ``max_query`` tokens (a decode, with its drafts
+        when speculating) and the pages are ones the kernel reads: the model's dtype, whole-row pages."""
         n = batch.input_ids.shape[0]
         if n == 0:
             return False
         for layer in self.layers:
             kv_cache, meta = layer.attn.cache_entry(batch)
-            if meta.prefills or meta.num_reqs != n or kv_cache.dtype != self.dtype:
+            lens = meta.query_lens_list
+            if max(lens) > self.max_query or sum(lens) != n or kv_cache.dtype != self.dtype:
                 return False
             _, _, block_size, kv_heads, head_dim = kv_cache.shape
             row = kv_heads * head_dim
@@ -200,7 +211,7 @@ class FusedDecodePlan:
             kv_cache, meta = layer.attn.cache_entry(batch)
             step = steps.get(id(meta))
             if step is None:
-                step = steps[id(meta)] = self._step(meta, n, cos, sin, scratch)
+                step = steps[id(meta)] = self._step(meta, batch, cos, sin, scratch)
             layer.desc.kv_cache = kv_cache.data_ptr()
             layer.desc.page_stride = kv_cache.stride(0)
             self.fn(
@@ -212,8 +223,14 @@ class FusedDecodePlan:
             )
         return x, residual
 
-    def _step(self, meta: AttentionMetadata, n: int, cos: torch.Tensor, sin: torch.Tensor, scratch: tuple):
-        _, table, lens = meta.decode_batch()
+    def _step(self, meta: AttentionMetadata, batch: ForwardBatch, cos, sin, scratch: tuple):
+        n = batch.input_ids.shape[0]
+        if meta.num_reqs == n:  # decodes only
+            _, table, lens = meta.decode_batch()
+        else:  # each token a decode of its request's pages up to its own position
+            owner = torch.repeat_interleave(torch.tensor(meta.query_lens_list))
+            table = meta.block_table.index_select(0, owner).to(torch.int32).contiguous()
+            lens = (batch.positions[:n] + 1).to(torch.int32).contiguous()
         slots = meta.slot_mapping[:n].to(torch.int64).contiguous()
         desc = StepDesc(
             n=n,
