@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenos.layers import cpu_kernels
+from tokenos.layers import attention, cpu_kernels
 from tokenos.layers.activation import SiluAndMul
 from tokenos.layers.attention import Attention
 from tokenos.layers.attention_metadata import AttentionMetadata
@@ -108,8 +108,8 @@ def _qualifies(layer: torch.nn.Module, dtype: torch.dtype) -> bool:
     if not isinstance(mlp, GatedMLP) or type(mlp.act) is not SiluAndMul:
         return False
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    if any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms):
-        return False
+    if any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms) or norms[0].eps != norms[1].eps:
+        return False  # the C layer takes one eps for both norms
     linears = ((attn.qkv_proj, True), (attn.o_proj, False), (mlp.gate_up_proj, False), (mlp.down_proj, False))
     return all(_quantized_kernel(lin, dtype, bias_ok) for lin, bias_ok in linears)
 
@@ -168,8 +168,6 @@ class FusedDecodePlan:
             scale=attn.attn.scale,
             window=attn.attn.sliding_window or 0,
         )
-        if ln2.eps != ln1.eps:
-            raise ValueError("the fused decode layer takes one RMSNorm eps per layer")
         return _Layer(desc, attn.attn, (bias, ln1.weight, ln2.weight))
 
     def takes(self, batch: ForwardBatch) -> bool:
@@ -178,15 +176,16 @@ class FusedDecodePlan:
         n = batch.input_ids.shape[0]
         if n == 0:
             return False
+        checked: set[int] = set()  # layers of one KV-cache group share their metadata
         for layer in self.layers:
             kv_cache, meta = layer.attn.cache_entry(batch)
-            lens = meta.query_lens_list
-            if max(lens) > self.max_query or sum(lens) != n or kv_cache.dtype != self.dtype:
+            if kv_cache.dtype != self.dtype or not attention._use_c_kernel(kv_cache):
                 return False
-            _, _, block_size, kv_heads, head_dim = kv_cache.shape
-            row = kv_heads * head_dim
-            if kv_cache.stride()[1:] != (block_size * row, row, head_dim, 1):
-                return False
+            if id(meta) not in checked:
+                lens = meta.query_lens_list
+                if max(lens) > self.max_query or sum(lens) != n:
+                    return False
+                checked.add(id(meta))
         return True
 
     def run(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,12 +224,10 @@ class FusedDecodePlan:
 
     def _step(self, meta: AttentionMetadata, batch: ForwardBatch, cos, sin, scratch: tuple):
         n = batch.input_ids.shape[0]
-        if meta.num_reqs == n:  # decodes only
-            _, table, lens = meta.decode_batch()
-        else:  # each token a decode of its request's pages up to its own position
-            owner = torch.repeat_interleave(torch.tensor(meta.query_lens_list))
-            table = meta.block_table.index_select(0, owner).to(torch.int32).contiguous()
-            lens = (batch.positions[:n] + 1).to(torch.int32).contiguous()
+        # Each token a decode of its request's pages up to its own position (a plain decode's seq_len).
+        owner = torch.repeat_interleave(torch.tensor(meta.query_lens_list))
+        table = meta.block_table.index_select(0, owner).to(torch.int32).contiguous()
+        lens = (batch.positions[:n] + 1).to(torch.int32).contiguous()
         slots = meta.slot_mapping[:n].to(torch.int64).contiguous()
         desc = StepDesc(
             n=n,
