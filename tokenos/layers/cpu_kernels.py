@@ -173,6 +173,10 @@ def load() -> ctypes.CDLL | None:
     lib.paged_prefill_supports.argtypes = [_I, _I, _I]
     lib.paged_prefill_available.argtypes = []
     lib.qlinear_available.argtypes = []
+    lib.qlinear_amx_ready.argtypes = []
+    lib.qlinear_set_amx.argtypes = [_I]
+    lib.qlinear_set_amx.restype = None
+    lib.qlinear_set_amx(0 if os.environ.get("TOKENOS_DISABLE_AMX") == "1" else 1)
     for name, argtypes in _QLINEAR_SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
@@ -204,6 +208,21 @@ def qgemm_kernel(dtype: torch.dtype):
         return None
     bit = 2 if dtype == torch.bfloat16 else 1
     return getattr(lib, f"qgemm_{DTYPES[dtype]}_desc") if lib.qlinear_available() & bit else None
+
+
+def qgemm_uses_amx() -> bool:
+    """Whether bf16 quantized linears of more than 8 rows multiply on AMX tiles (csrc/qlinear.c's
+    AMX panel path): an AMX-BF16 CPU, a kernel built for it, the kernel allowed to use it by the OS,
+    and not ``TOKENOS_DISABLE_AMX=1``."""
+    lib = load()
+    return bool(lib is not None and lib.qlinear_amx_ready())
+
+
+def set_qgemm_amx(on: bool) -> None:
+    """Allow or forbid the AMX panel path (tests and `tokenos bench kernels` compare both)."""
+    lib = load()
+    if lib is not None:
+        lib.qlinear_set_amx(int(on))
 
 
 def usable(*tensors: torch.Tensor) -> bool:

@@ -42,6 +42,13 @@
 #else
 #define QL_BF16 0
 #endif
+#if QL_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define QL_AMX 1
+#else
+#define QL_AMX 0
+#endif
 
 int qlinear_available(void) { return QL_F32 | (QL_BF16 << 1); }
 
@@ -337,6 +344,93 @@ static inline __attribute__((always_inline)) void tile_bf16(int mt, const __m512
     }
 }
 
+#if QL_AMX
+/* The AMX panel path: the same dequantized bf16 panel, multiplied in tiles by TDPBF16PS. A panel entry
+ * (one block's pair p, 16 dword lanes = 16 weight rows) is exactly one 64-byte row of a B tile, so a
+ * 32-row stripe dequantized over the whole of K (entries interleaved by block, as above) loads as
+ * B tiles with a 128-byte stride. Tiles: 0-3 accumulate C (rows m0 / m0 + 16, block 0 / 1), 4-5 hold A,
+ * 6-7 B. Activation rows past M come from a zero-padded copy, so every tile is full. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg;
+
+static int amx_enabled = 1;
+void qlinear_set_amx(int on) { amx_enabled = on; }
+
+/* Linux hands out AMX's tile state per process, on request (ARCH_REQ_XCOMP_PERM, XTILEDATA). */
+static int amx_permitted(void) {
+    static int state = 0;
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023, 18) == 0 ? 1 : -1;
+    return state > 0;
+}
+
+int qlinear_amx_ready(void) { return amx_enabled && amx_permitted(); }
+
+/* One 32-row group of activations against a stripe: C (32 x 32 fp32, row stride 32) = A . panel. */
+static inline void amx_stripe_rows(const uint16_t *a, int64_t as, const __m512i *panel, int64_t K, int two,
+                                   float *c) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t k0 = 0; k0 < K; k0 += 32) {
+        const __m512i *b = panel + k0; /* pair k0 / 2, two entries per pair */
+        _tile_loadd(4, a + k0, as * 2);
+        _tile_loadd(6, b, 128);
+        _tile_loadd(7, b + 1, 128);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a + 16 * as + k0, as * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, c, 128);
+    _tile_stored(1, c + 16, 128);
+    if (two) {
+        _tile_stored(2, c + 16 * 32, 128);
+        _tile_stored(3, c + 16 * 32 + 16, 128);
+    }
+}
+
+static void qgemm_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs, void *out, int64_t os,
+                      int out_f32) {
+    int64_t K = w->K, ntiles = (w->N + 31) / 32, full = M / 32 * 32, esize = out_f32 ? 4 : 2;
+    uint16_t *pad = NULL; /* the rows [full, M), then zeros, as one 32-row group */
+    if (full < M) {
+        pad = aligned_alloc(64, 32 * K * 2);
+        memset(pad, 0, 32 * K * 2);
+        for (int64_t i = full; i < M; i++) memcpy(pad + (i - full) * K, x + i * xs, K * 2);
+    }
+    _Pragma("omp parallel") {
+        tilecfg cfg = {0};
+        cfg.palette = 1;
+        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+        _tile_loadconfig(&cfg);
+        __m512i *panel = aligned_alloc(64, K * 64); /* K / 2 pairs, two 64-byte entries each */
+        float c[32 * 32] __attribute__((aligned(64)));
+        _Pragma("omp for schedule(static)") for (int64_t t = 0; t < ntiles; t++) {
+            deq_block(w, 2 * t, 0, K / 2, panel, 2);
+            deq_block(w, 2 * t + 1, 0, K / 2, panel + 1, 2);
+            for (int64_t m0 = 0; m0 < M; m0 += 32) {
+                int64_t rows = M - m0 < 32 ? M - m0 : 32;
+                const uint16_t *a = m0 < full ? x + m0 * xs : pad;
+                amx_stripe_rows(a, m0 < full ? xs : K, panel, K, rows > 16, c);
+                store_rows(c, rows, 32 * t, w->N, (char *)out + m0 * os * esize, os, out_f32);
+            }
+        }
+        free(panel);
+        _tile_release();
+    }
+    free(pad);
+}
+#endif
+
 void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s,
                 const uint16_t *z, int bits, int group, int64_t N, int64_t K, void *out, int64_t os,
                 int out_f32) {
@@ -345,6 +439,12 @@ void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, cons
         qgemv_bf16(&w, x, M, xs, out, os, out_f32);
         return;
     }
+#if QL_AMX
+    if (K % 32 == 0 && qlinear_amx_ready()) {
+        qgemm_amx(&w, x, M, xs, out, os, out_f32);
+        return;
+    }
+#endif
     int64_t ntiles = (N + 31) / 32, pairs = K / 2;
     _Pragma("omp parallel") {
         __m512i panel[KCP * 2] __attribute__((aligned(64)));
@@ -380,6 +480,11 @@ void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, cons
                 int out_f32) {
     abort(); /* the caller checks qlinear_available() first */
 }
+#endif
+
+#if !QL_AMX
+void qlinear_set_amx(int on) { (void)on; }
+int qlinear_amx_ready(void) { return 0; }
 #endif
 
 #if QL_F32
