@@ -219,7 +219,7 @@ def qgemm_uses_amx() -> bool:
 
 
 def set_qgemm_amx(on: bool) -> None:
-    """Allow or forbid the AMX panel path (tests and `tokenos bench kernels` compare both)."""
+    """Allow or forbid the AMX panel path for this process (the tests compare it with the AVX-512 one)."""
     lib = load()
     if lib is not None:
         lib.qlinear_set_amx(int(on))

@@ -19,7 +19,8 @@
  * each group's scale and zero apply once to its integer sum, so the weights are read once, as packed
  * bytes, and never rounded. More rows: a chunk of 128 column pairs of a 32-row tile is dequantized once
  * into an L1 panel of bf16 weights and every row runs over it in tiles of 6, accumulating in fp32; on
- * an AVX512-BF16 CPU this measures level with oneDNN's bf16 GEMM from M = 64 to 2048. The fp32 build
+ * an AVX512-BF16 CPU this measures level with oneDNN's bf16 GEMM from M = 64 to 2048. On an AMX-BF16
+ * CPU the same panel, over the whole of K, is multiplied on AMX tiles instead (qgemm_amx). The fp32 build
  * (AVX2) always takes a panel path, in fp32.
  * Built where the compiler targets AVX2 + FMA + F16C (fp32) and AVX512-BF16 (bf16);
  * qlinear_available() says which.
