@@ -148,3 +148,28 @@ def test_prefill_kernel_writes_only_prefill_rows_and_reads_pages_in_place(monkey
     second = _run(attn, q, k, v, poisoned, tables, chunks, block_size, True, monkeypatch)
     assert torch.equal(first, second)
     assert torch.isfinite(first).all()
+
+
+@pytest.mark.skipif(not cpu_kernels.uses_amx(), reason="no AMX-BF16 (or the OS refused its tiles)")
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (8, 1, 128), (4, 2, 32), (6, 2, 96)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_amx_prefill_matches_the_avx512_prefill(heads, kv_heads, head_size, window, monkeypatch):
+    """The tile path multiplies the same packed bf16 operands as the AVX-512 one, in float32, and applies
+    the same masks and softmax: the outputs differ only by the order of the float32 sums (and then by
+    a bf16 rounding of the result), for head sizes in 32s; every row count modulo 16 occurs."""
+    chunks, tables, num_pages, block_size = _eight_bit_step(heads, kv_heads, head_size, window)
+    cache = torch.randn(num_pages, 2, block_size, kv_heads, head_size).to(torch.bfloat16)
+    q, k, v = _qkv(sum(n for _, n in chunks), heads, kv_heads, head_size)
+    attn = Attention(heads, kv_heads, head_size, head_size**-0.5, sliding_window=window)
+    allowed = cpu_kernels.uses_amx()
+    try:
+        cpu_kernels.set_amx(False)
+        avx = _run(attn, q, k, v, cache.clone(), tables, chunks, block_size, True, monkeypatch)
+        cpu_kernels.set_amx(True)
+        amx = _run(attn, q, k, v, cache.clone(), tables, chunks, block_size, True, monkeypatch)
+    finally:
+        cpu_kernels.set_amx(allowed)
+    # One bf16 ulp of the output's magnitude: the two sums round to neighbouring bf16 values at most.
+    assert (amx - avx).abs().max().item() <= 2**-7 * max(1.0, avx.abs().max().item())
+    assert (amx - avx).abs().mean().item() <= 1e-3
+    assert not torch.equal(amx, torch.zeros_like(amx))

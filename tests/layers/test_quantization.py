@@ -253,7 +253,7 @@ def test_a_multiplier_folded_at_load_scales_a_quantized_weight():
     assert torch.allclose(layer.quantized.dequantize(), 0.5 * t.dequantize(), atol=1e-3)
 
 
-@pytest.mark.skipif(not cpu_kernels.qgemm_uses_amx(), reason="no AMX-BF16 (or the OS refused its tiles)")
+@pytest.mark.skipif(not cpu_kernels.uses_amx(), reason="no AMX-BF16 (or the OS refused its tiles)")
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("n", "k"), [(40, 64), (100, 96), (576, 1536)])
 def test_amx_panel_path_matches_the_avx512_panel_path(bits, n, k):
@@ -262,16 +262,16 @@ def test_amx_panel_path_matches_the_avx512_panel_path(bits, n, k):
     t = _random_tensor(n, k, bits, 32, True, seed=n + k)
     qw = QuantizedWeight(t)
     base = torch.randn(70, k + 32).bfloat16()
-    allowed = cpu_kernels.qgemm_uses_amx()
+    allowed = cpu_kernels.uses_amx()
     try:
         for m in (9, 16, 17, 32, 33, 70):
             x = base[:m, :k]
-            cpu_kernels.set_qgemm_amx(False)
+            cpu_kernels.set_amx(False)
             panel = qw(x, out_dtype=torch.float32)
-            cpu_kernels.set_qgemm_amx(True)
+            cpu_kernels.set_amx(True)
             amx = qw(x, out_dtype=torch.float32)
             scale = panel.abs().max().item()
             assert (amx - panel).abs().max().item() <= 1e-5 * k**0.5 * scale, m
             assert not torch.equal(amx[:, :1], torch.zeros_like(amx[:, :1]))
     finally:
-        cpu_kernels.set_qgemm_amx(allowed)
+        cpu_kernels.set_amx(allowed)

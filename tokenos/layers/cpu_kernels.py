@@ -37,7 +37,7 @@ _SOURCES = tuple(
         "decode_layer.c",
     )
 )
-_HEADERS = (_CSRC / "vec_math.h",)
+_HEADERS = (_CSRC / "vec_math.h", _CSRC / "amx.h")
 MAX_HEAD_SIZE = 512  # MAX_HEAD in the C source
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -173,10 +173,10 @@ def load() -> ctypes.CDLL | None:
     lib.paged_prefill_supports.argtypes = [_I, _I, _I]
     lib.paged_prefill_available.argtypes = []
     lib.qlinear_available.argtypes = []
-    lib.qlinear_amx_ready.argtypes = []
-    lib.qlinear_set_amx.argtypes = [_I]
-    lib.qlinear_set_amx.restype = None
-    lib.qlinear_set_amx(0 if os.environ.get("TOKENOS_DISABLE_AMX") == "1" else 1)
+    lib.kernels_amx_ready.argtypes = []
+    lib.kernels_set_amx.argtypes = [_I]
+    lib.kernels_set_amx.restype = None
+    lib.kernels_set_amx(0 if os.environ.get("TOKENOS_DISABLE_AMX") == "1" else 1)
     for name, argtypes in _QLINEAR_SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
@@ -210,19 +210,20 @@ def qgemm_kernel(dtype: torch.dtype):
     return getattr(lib, f"qgemm_{DTYPES[dtype]}_desc") if lib.qlinear_available() & bit else None
 
 
-def qgemm_uses_amx() -> bool:
-    """Whether bf16 quantized linears of more than 8 rows multiply on AMX tiles (csrc/qlinear.c's
-    AMX panel path): an AMX-BF16 CPU, a kernel built for it, the kernel allowed to use it by the OS,
-    and not ``TOKENOS_DISABLE_AMX=1``."""
+def uses_amx() -> bool:
+    """Whether the kernels multiply on AMX tiles where they have a tile path (csrc/qlinear.c's AMX panel
+    path for bf16 quantized linears of more than 8 rows; csrc/prefill_attention.c's two products): an
+    AMX-BF16 CPU, a kernel built for it, the kernel allowed to use it by the OS, and not
+    ``TOKENOS_DISABLE_AMX=1``."""
     lib = load()
-    return bool(lib is not None and lib.qlinear_amx_ready())
+    return bool(lib is not None and lib.kernels_amx_ready())
 
 
-def set_qgemm_amx(on: bool) -> None:
-    """Allow or forbid the AMX panel path for this process (the tests compare it with the AVX-512 one)."""
+def set_amx(on: bool) -> None:
+    """Allow or forbid the AMX tile paths for this process (the tests compare them with the AVX-512 ones)."""
     lib = load()
     if lib is not None:
-        lib.qlinear_set_amx(int(on))
+        lib.kernels_set_amx(int(on))
 
 
 def usable(*tensors: torch.Tensor) -> bool:

@@ -35,6 +35,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#include "amx.h"
 #include "vec_math.h"
 
 #ifdef __AVX512BF16__
@@ -242,6 +243,64 @@ static tile_pv_fn pv_for(int d) {
     }
 }
 
+#if AMX_AVAILABLE
+/* The two products on AMX tiles (TDPBF16PS: bf16 pairs, products exact in float32, float32 sums),
+ * from the same packed layouts: a packed K tile, [d / 2][PF_KT] pairs, is a B operand as it lies (16
+ * pairs of dimensions by 16 keys per tile, rows PF_KT * 4 bytes apart), as a packed V tile,
+ * [PF_KT / 2][d] pairs of keys, is for P V; q rows and bf16 p rows are A operands. Rows go in blocks
+ * of 16 (the caller pads with zero queries), head sizes in multiples of 32. Tiles: 0, 1 accumulate,
+ * 2 holds A, 3, 4 hold B. */
+static void tile_scores_amx(const uint32_t *restrict qb, const uint32_t *restrict kt, int rows, int d,
+                            float scale, float *restrict s) {
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int j0 = 0; j0 < d / 2; j0 += 16) {
+            _tile_loadd(2, qb + (int64_t)r0 * (d / 2) + j0, d * 2);
+            _tile_loadd(3, kt + (int64_t)j0 * PF_KT, PF_KT * 4);
+            _tile_loadd(4, kt + (int64_t)j0 * PF_KT + 16, PF_KT * 4);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, s + (int64_t)r0 * PF_KT, PF_KT * 4);
+        _tile_stored(1, s + (int64_t)r0 * PF_KT + 16, PF_KT * 4);
+    }
+    const __m512 sc = _mm512_set1_ps(scale); /* scaled after the sum, as tile_scores does */
+    for (int64_t i = 0; i < (int64_t)rows * PF_KT; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), sc));
+}
+
+/* o[r] = alpha[r] * o[r] + p[r] V, the outputs rescaled in memory and then accumulated on the tiles. */
+static void tile_pv_amx(const uint32_t *restrict p, const uint32_t *restrict vt, const float *restrict alpha,
+                        int rows, int d, float *restrict o) {
+    for (int r = 0; r < rows; r++) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        float *orow = o + (int64_t)r * d;
+        for (int j = 0; j < d; j += 16) _mm512_storeu_ps(orow + j, _mm512_mul_ps(_mm512_loadu_ps(orow + j), a));
+    }
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        _tile_loadd(2, p + (int64_t)r0 * (PF_KT / 2), PF_KT * 2);
+        for (int j = 0; j < d; j += 32) {
+            float *c = o + (int64_t)r0 * d + j;
+            _tile_loadd(0, c, d * 4);
+            _tile_loadd(1, c + 16, d * 4);
+            _tile_loadd(3, vt + j, d * 4);
+            _tile_loadd(4, vt + j + 16, d * 4);
+            _tile_dpbf16ps(0, 2, 3);
+            _tile_dpbf16ps(1, 2, 4);
+            _tile_stored(0, c, d * 4);
+            _tile_stored(1, c + 16, d * 4);
+        }
+    }
+}
+
+/* Whether this call multiplies on AMX: an AMX build, allowed now, and a head size in 32s. */
+static int prefill_amx(int d) { return d % 32 == 0 && kernels_amx_ready(); }
+#else
+static int prefill_amx(int d) { (void)d; return 0; }
+#define tile_scores_amx(qb, kt, rows, d, scale, s) abort()
+#define tile_pv_amx(p, vt, alpha, rows, d, o) abort()
+#endif
+
 int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size) {
     const int g = num_kv_heads > 0 ? num_heads / num_kv_heads : 0;
     return g >= 1 && g <= PF_MAX_G && g * num_kv_heads == num_heads && head_size <= PF_MAX_D
@@ -262,9 +321,10 @@ typedef struct {
 static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp, const uint32_t *vp,
                         int kbase, int ctx, int start, int t0, int t1, int kh, int g, int d, float scale,
                         int window, float cap, const float *sinks, uint16_t *out, int64_t out_stride,
-                        pf_scratch *w) {
+                        pf_scratch *w, int amx) {
     const int live = (t1 - t0) * g;
-    const int rows = (live + PF_RS - 1) / PF_RS * PF_RS;
+    const int block = amx ? 16 : PF_RS; /* rows are padded to whole register blocks or tiles */
+    const int rows = (live + block - 1) / block * block;
     for (int r = 0; r < rows; r++) {
         uint32_t *qr = w->qb + (int64_t)r * (d / 2);
         if (r < live) {
@@ -286,9 +346,15 @@ static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
     for (int tile = (lo_key - kbase) / PF_KT; kbase + tile * PF_KT <= last_pos; tile++) {
         const uint32_t *kt = kp + (int64_t)tile * (d / 2) * PF_KT;
         const uint32_t *vt = vp + (int64_t)tile * (PF_KT / 2) * d;
-        tile_scores(w->qb, kt, rows, d, scale, w->s);
+        if (amx)
+            tile_scores_amx(w->qb, kt, rows, d, scale, w->s);
+        else
+            tile_scores(w->qb, kt, rows, d, scale, w->s);
         tile_softmax(w->s, w->pos, rows, kbase + tile * PF_KT, window, cap, w->m, w->l, w->alpha, w->p);
-        pv(w->p, vt, w->alpha, rows, w->o);
+        if (amx)
+            tile_pv_amx(w->p, vt, w->alpha, rows, d, w->o);
+        else
+            pv(w->p, vt, w->alpha, rows, w->o);
     }
     for (int r = 0; r < live; r++) {
         const int t = t0 + r / g, h = r % g;
@@ -339,9 +405,13 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
                 key_base(ctx, window), ctx + qlen, (int)(gt - tile0[c]), kp + base, vp + base);
     }
     const int64_t items = item0[num_chunks];
+    const int amx = prefill_amx(d);
     _Pragma("omp parallel")
     {
         pf_scratch *w = (pf_scratch *)aligned_alloc(64, (sizeof(pf_scratch) + 63) / 64 * 64);
+#if AMX_AVAILABLE
+        if (amx) amx_configure();
+#endif
         /* Later query tiles see more keys: hand them out first for a better balance. */
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t rev = 0; rev < items; rev++) {
@@ -354,8 +424,11 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
             const int t0 = qt * PF_QT, t1 = t0 + PF_QT < qlen ? t0 + PF_QT : qlen;
             const int64_t base = (tile0[c] * num_kv_heads + (int64_t)kh * (tile0[c + 1] - tile0[c])) * tile_elems;
             attend_item(q, q_stride, kp + base, vp + base, key_base(ctx, window), ctx, start, t0, t1, kh, g, d,
-                        scale, window, cap, sinks, out, out_stride, w);
+                        scale, window, cap, sinks, out, out_stride, w, amx);
         }
+#if AMX_AVAILABLE
+        if (amx) _tile_release();
+#endif
         free(w);
     }
     free(tile0); free(item0); free(kp); free(vp);

@@ -43,7 +43,8 @@
 #else
 #define QL_BF16 0
 #endif
-#if QL_BF16 && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include "amx.h"
+#if QL_BF16 && AMX_AVAILABLE
 #include <sys/syscall.h>
 #include <unistd.h>
 #define QL_AMX 1
@@ -351,14 +352,8 @@ static inline __attribute__((always_inline)) void tile_bf16(int mt, const __m512
  * 32-row stripe dequantized over the whole of K (entries interleaved by block, as above) loads as
  * B tiles with a 128-byte stride. Tiles: 0-3 accumulate C (rows m0 / m0 + 16, block 0 / 1), 4-5 hold A,
  * 6-7 B. Activation rows past M come from a zero-padded copy, so every tile is full. */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg;
-
 static int amx_enabled = 1;
-void qlinear_set_amx(int on) { amx_enabled = on; }
+void kernels_set_amx(int on) { amx_enabled = on; }
 
 /* Linux hands out AMX's tile state per process, on request (ARCH_REQ_XCOMP_PERM, XTILEDATA). */
 static int amx_permitted(void) {
@@ -367,7 +362,7 @@ static int amx_permitted(void) {
     return state > 0;
 }
 
-int qlinear_amx_ready(void) { return amx_enabled && amx_permitted(); }
+int kernels_amx_ready(void) { return amx_enabled && amx_permitted(); }
 
 /* One 32-row group of activations against a stripe: C (32 x 32 fp32, row stride 32) = A . panel. */
 static inline void amx_stripe_rows(const uint16_t *a, int64_t as, const __m512i *panel, int64_t K, int two,
@@ -409,10 +404,7 @@ static void qgemm_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs
         for (int64_t i = full; i < M; i++) memcpy(pad + (i - full) * K, x + i * xs, K * 2);
     }
     _Pragma("omp parallel") {
-        tilecfg cfg = {0};
-        cfg.palette = 1;
-        for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-        _tile_loadconfig(&cfg);
+        amx_configure();
         __m512i *panel = aligned_alloc(64, K * 64); /* K / 2 pairs, two 64-byte entries each */
         float c[32 * 32] __attribute__((aligned(64)));
         _Pragma("omp for schedule(static)") for (int64_t t = 0; t < ntiles; t++) {
@@ -441,7 +433,7 @@ void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, cons
         return;
     }
 #if QL_AMX
-    if (K % 32 == 0 && qlinear_amx_ready()) {
+    if (K % 32 == 0 && kernels_amx_ready()) {
         qgemm_amx(&w, x, M, xs, out, os, out_f32);
         return;
     }
@@ -484,8 +476,8 @@ void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, cons
 #endif
 
 #if !QL_AMX
-void qlinear_set_amx(int on) { (void)on; }
-int qlinear_amx_ready(void) { return 0; }
+void kernels_set_amx(int on) { (void)on; }
+int kernels_amx_ready(void) { return 0; }
 #endif
 
 #if QL_F32

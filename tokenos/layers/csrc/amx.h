@@ -1,0 +1,37 @@
+/* AMX tile helpers shared by the kernels that multiply on tiles (qlinear.c, prefill_attention.c).
+ *
+ * AMX_AVAILABLE: the compiler targets AMX-TILE + AMX-BF16 on Linux (the library is built with
+ * -march=native, so this is the CPU's own answer). At run time a kernel also needs the OS's
+ * permission for the tile state and the process switch (TOKENOS_DISABLE_AMX=1 clears it): both are
+ * kernels_amx_ready(), defined in qlinear.c. */
+#ifndef TOKENOS_AMX_H
+#define TOKENOS_AMX_H
+
+#include <stdint.h>
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) \
+    && defined(__linux__)
+#include <immintrin.h>
+#define AMX_AVAILABLE 1
+
+int kernels_amx_ready(void);
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+/* Every kernel here uses all eight tiles as 16 rows of 64 bytes (16 x 16 fp32, or 16 x 32 bf16), so
+ * one configuration serves them all; it is per thread, set inside each parallel region. */
+static inline void amx_configure(void) {
+    amx_tilecfg cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+#else
+#define AMX_AVAILABLE 0
+#endif
+
+#endif
