@@ -151,7 +151,9 @@ def test_prefill_kernel_writes_only_prefill_rows_and_reads_pages_in_place(monkey
 
 
 @pytest.mark.skipif(not cpu_kernels.uses_amx(), reason="no AMX-BF16 (or the OS refused its tiles)")
-@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (8, 1, 128), (4, 2, 32), (6, 2, 96)])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_size"), [(9, 3, 64), (8, 1, 128), (4, 2, 32), (6, 2, 96)]
+)
 @pytest.mark.parametrize("window", [None, 37])
 def test_amx_prefill_matches_the_avx512_prefill(heads, kv_heads, head_size, window, monkeypatch):
     """The tile path multiplies the same packed bf16 operands as the AVX-512 one, in float32, and applies
