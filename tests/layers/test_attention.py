@@ -214,3 +214,95 @@ def _check_c_kernel_against_torch(monkeypatch, lens, block_size, heads, kv_heads
     # bf16 attention does), a relative error of 2^-9 per weight; elsewhere it is float32 throughout.
     torch.testing.assert_close(fast, ref, atol=8e-3, rtol=1e-2)
     assert (fast - ref).abs().mean() < 1e-3
+
+
+def shared_tables(groups: list[tuple[int, list[int]]], block_size: int, rng: random.Random):
+    """Decodes in groups sharing leading pages, members interleaved across the batch: each group is
+    (pages its members share, the members' context lengths); a member's own pages follow the shared
+    ones. Returns (lens, tables, pool size)."""
+    first, rows = 1, []
+    for shared, lens in groups:
+        common = list(range(first, first + shared))[::-1]
+        first += shared
+        for n in lens:
+            own = max(0, -(-n // block_size) - shared)
+            rows.append((n, common[: -(-n // block_size)] + list(range(first, first + own))))
+            first += own
+    rng.shuffle(rows)
+    return [n for n, _ in rows], [t for _, t in rows], first
+
+
+def test_c_kernel_cascade_over_shared_pages_matches_torch_path(monkeypatch):
+    """Decodes whose block tables share leading pages (a system prompt's, n samples'): the kernel attends
+    the common pages once per group (cascade) and merges with each request's own tokens. Groups of 2 to
+    20, members sharing different numbers of pages (the group takes what all share), members whose
+    context ends inside the shared pages, a group sharing too little to be one, single requests; against
+    the float32 torch path and against the kernel with cascade off."""
+    import tokenos.layers.attention as attention
+    from tokenos.layers import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler: the C decode kernel could not be built")
+    rng = random.Random(7)
+    torch.manual_seed(7)
+    block_size = 16
+    groups = [
+        (32, [520, 530, 600, 513, 700]),
+        (10, [170, 161, 200]),
+        (3, [60, 70]),  # 48 shared tokens: too few for a group
+        (40, [rng.randint(641, 900) for _ in range(20)]),
+        (8, [129, 300]),
+        (20, [100, 330, 400]),  # the first member's context ends inside the shared pages
+        (0, [50, 600, 1]),
+    ]
+    lens, tables, pool = shared_tables(groups, block_size, rng)
+    heads, kv_heads, d = 9, 3, 64
+    cache = torch.randn(pool, 2, block_size, kv_heads, d).to(torch.bfloat16)
+    q = torch.randn(len(lens), heads, d)
+    k, v = (torch.randn(len(lens), kv_heads, d).to(torch.bfloat16) for _ in range(2))
+    attn = Attention(heads, kv_heads, d, d**-0.5)
+
+    def run(c_kernel: bool, cascade: bool = True) -> torch.Tensor:
+        monkeypatch.setattr(attention, "_use_c_kernel", lambda kv_cache: c_kernel)
+        cpu_kernels.set_cascade(cascade)
+        try:
+            meta = build_attention_metadata(tables, [n - 1 for n in lens], [1] * len(lens), block_size)
+            pages = cache.clone() if c_kernel else cache.float()
+            new_k, new_v = (t if c_kernel else t.float() for t in (k, v))
+            return attn.attend(q, new_k, new_v, pages, meta).float()
+        finally:
+            cpu_kernels.set_cascade(True)
+
+    fast, plain, ref = run(True), run(True, cascade=False), run(False)
+    torch.testing.assert_close(fast, ref, atol=8e-3, rtol=1e-2)
+    assert (fast - ref).abs().mean() < 1e-3
+    # The shared pages' partials come from the tiled kernel, so only the fp32 summation order differs.
+    torch.testing.assert_close(fast, plain, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.parametrize(("softcap", "with_sinks"), [(None, True), (30.0, False), (20.0, True)])
+def test_c_kernel_cascade_keeps_soft_cap_and_sinks(softcap, with_sinks):
+    """Gemma 2's soft cap bends the shared pages' scores too, and a sink joins each head's sum once,
+    after the group's partial and the request's own are merged."""
+    from tokenos.layers import cpu_kernels
+
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler: the C decode kernel could not be built")
+    rng = random.Random(3)
+    torch.manual_seed(3)
+    lens, tables, pool = shared_tables([(12, [200, 250, 197, 300]), (6, [120, 99])], 16, rng)
+    heads, kv_heads, d = 8, 2, 64
+    cache = torch.randn(pool, 2, 16, kv_heads, d).to(torch.bfloat16)
+    q = torch.randn(len(lens), heads, d) * 3
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    sinks = torch.randn(heads) if with_sinks else None
+    outs = []
+    for cascade in (True, False):
+        cpu_kernels.set_cascade(cascade)
+        try:
+            outs.append(cpu_kernels.paged_decode(q, cache, table, seq, d**-0.5, None, softcap=softcap, sinks=sinks))
+        finally:
+            cpu_kernels.set_cascade(True)
+    torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=2e-3)

@@ -177,6 +177,9 @@ def load() -> ctypes.CDLL | None:
     lib.kernels_set_amx.argtypes = [_I]
     lib.kernels_set_amx.restype = None
     lib.kernels_set_amx(0 if os.environ.get("TOKENOS_DISABLE_AMX") == "1" else 1)
+    lib.paged_decode_set_cascade.argtypes = [_I]
+    lib.paged_decode_set_cascade.restype = None
+    lib.paged_decode_set_cascade(0 if os.environ.get("TOKENOS_DISABLE_CASCADE_ATTN") == "1" else 1)
     for name, argtypes in _QLINEAR_SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
@@ -224,6 +227,14 @@ def set_amx(on: bool) -> None:
     lib = load()
     if lib is not None:
         lib.kernels_set_amx(int(on))
+
+
+def set_cascade(on: bool) -> None:
+    """Allow or forbid cascade attention for decodes sharing cached pages (csrc/paged_attention.c's
+    find_shared) in this process; ``TOKENOS_DISABLE_CASCADE_ATTN=1`` starts with it off."""
+    lib = load()
+    if lib is not None:
+        lib.paged_decode_set_cascade(int(on))
 
 
 def usable(*tensors: torch.Tensor) -> bool:

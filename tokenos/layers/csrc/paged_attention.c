@@ -541,7 +541,84 @@ static int num_splits(int n, int base_items, int threads) {
     return want < 1 ? 1 : want;
 }
 
-#define DEFINE_DECODE(NAME, T, ITEM, WHOLE)                                                       \
+/* Cascade attention for decodes that share a cached prefix (requests of one system prompt, the n
+ * samples of one prompt): requests whose block tables begin with the same pages are a group, the
+ * pages all of them have in common (whole pages, at least MIN_SHARED tokens, short of each
+ * request's last token) its prefix. The prefix is attended once per group with every member's query
+ * heads as rows of one tiled item (shared_prefix_decode_bf16, in csrc/prefill_attention.c), the rest of
+ * each request by the items here, and the two merged as splits are. Groups come from the block
+ * tables alone, so any pages two requests share are read once, whoever wrote them. */
+#define MIN_SHARED 64
+static int cascade_enabled = 1;
+void paged_decode_set_cascade(int on) { cascade_enabled = on; }
+
+/* Groups as CSR (members[member0[j] .. member0[j + 1]), leader first) and each request's shared
+ * token count (0: none); returns the number of groups. First pages are matched through a hash table
+ * of 2n slots, so a step of n requests costs O(n) plus the pages compared. */
+static int find_shared(const int32_t *table, int max_blocks, const int32_t *seq_lens, int n, int block_size,
+                       int *shared, int *members, int *member0) {
+    int cap = 2;
+    while (cap < 2 * n) cap *= 2;
+    int *slots = (int *)malloc(sizeof(int) * (size_t)(cap + 3 * n));
+    int *leader = slots + cap, *next = leader + n, *tail = next + n;
+    for (int i = 0; i < cap; i++) slots[i] = -1;
+    for (int r = 0; r < n; r++) {
+        shared[r] = 0;
+        leader[r] = next[r] = -1;
+        tail[r] = r;
+        if (seq_lens[r] <= block_size) continue; /* no whole page before its last token */
+        const int32_t b0 = table[(int64_t)r * max_blocks];
+        int h = (int)(((uint32_t)b0 * 2654435761u) & (uint32_t)(cap - 1));
+        while (slots[h] >= 0 && table[(int64_t)slots[h] * max_blocks] != b0) h = (h + 1) & (cap - 1);
+        if (slots[h] < 0) {
+            slots[h] = r;
+            leader[r] = r;
+        } else {
+            const int l = slots[h];
+            leader[r] = l;
+            next[tail[l]] = r;
+            tail[l] = r;
+        }
+    }
+    int groups = 0, at = 0;
+    member0[0] = 0;
+    for (int l = 0; l < n; l++) {
+        if (leader[l] != l || next[l] < 0) continue;
+        const int32_t *lt = table + (int64_t)l * max_blocks;
+        int common = (seq_lens[l] - 1) / block_size;
+        for (int r = next[l]; r >= 0; r = next[r]) {
+            const int32_t *rt = table + (int64_t)r * max_blocks;
+            const int most = (seq_lens[r] - 1) / block_size;
+            if (most < common) common = most;
+            int k = 1; /* page 0 matched already */
+            while (k < common && lt[k] == rt[k]) k++;
+            common = k;
+        }
+        if (common * block_size < MIN_SHARED) continue;
+        for (int r = l; r >= 0; r = next[r]) {
+            members[at++] = r;
+            shared[r] = common * block_size;
+        }
+        member0[++groups] = at;
+    }
+    free(slots);
+    return groups;
+}
+
+#ifdef __AVX512BF16__
+void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t page_stride, int block_size,
+                               const int32_t *block_table, int max_blocks, int num_groups, const int *members,
+                               const int *member0, const int *tokens, const int *slot, int num_heads,
+                               int num_kv_heads, int d, float scale, float cap, float *pm, float *pl, float *po);
+int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size);
+#define CASCADE_BF16 1
+#else
+#define CASCADE_BF16 0
+#define shared_prefix_decode_bf16(...) abort()
+#define paged_prefill_supports(...) 0
+#endif
+
+#define DEFINE_DECODE(NAME, T, ITEM, WHOLE, CASCADE)                                              \
 void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,                   \
           const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,     \
           int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,   \
@@ -558,12 +635,22 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     const int per_split = whole ? 1 : num_kv_heads * ((group + MAX_GROUP - 1) / MAX_GROUP);       \
     const int chunks = (group + MAX_GROUP - 1) / MAX_GROUP;                                       \
     const int base = num_reqs * per_split;                                                        \
-    int *first = (int *)malloc(sizeof(int) * (size_t)(num_reqs + 1));                             \
+    int *first = (int *)malloc(sizeof(int) * (size_t)(6 * num_reqs + 2));                         \
+    /* shared[r]: tokens of request r attended with its group (see find_shared); the last of its  \
+     * splits is then the group's partial, and the others cover [shared[r], len). */              \
+    int *shared = first + num_reqs + 1, *members = shared + num_reqs, *member0 = members + num_reqs; \
+    int *slot = member0 + num_reqs + 1;                                                           \
+    const int groups = CASCADE && cascade_enabled && whole && window <= 0 && num_reqs > 1         \
+                       && paged_prefill_supports(num_heads, num_kv_heads, d)                      \
+        ? find_shared(block_table, max_blocks, seq_lens, num_reqs, block_size, shared, members, member0) : 0; \
     first[0] = 0;                                                                                 \
     for (int r = 0; r < num_reqs; r++) {                                                          \
         const int len = seq_lens[r];                                                              \
         const int n = (window > 0 && len > window) ? window : len;                                \
-        first[r + 1] = first[r] + num_splits(n, base, threads);                                   \
+        const int sh = groups ? shared[r] : 0;                                                    \
+        first[r + 1] = first[r] + num_splits(n - sh, base, threads) + (sh > 0);                   \
+        slot[r] = first[r + 1] - 1;                                                               \
+        if (!groups) shared[r] = 0;                                                               \
     }                                                                                             \
     const int total_splits = first[num_reqs];                                                     \
     const int64_t items = (int64_t)total_splits * per_split;                                      \
@@ -583,10 +670,11 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
                             if (first[mid] <= split_index) lo = mid; else hi = mid - 1; }         \
           r = lo; }                                                                               \
         const int nsplit = first[r + 1] - first[r], k = split_index - first[r];                  \
-        const int len = seq_lens[r];                                                              \
+        const int len = seq_lens[r], sh = shared[r];                                              \
+        if (sh > 0 && k == nsplit - 1) continue; /* the group's partial */                        \
         const int start = (window > 0 && len > window) ? len - window : 0;                        \
-        const int n = len - start;                                                                \
-        const int t0 = (int)((int64_t)n * k / nsplit), t1 = (int)((int64_t)n * (k + 1) / nsplit); \
+        const int n = len - start - sh, own = nsplit - (sh > 0);                                  \
+        const int t0 = sh + (int)((int64_t)n * k / own), t1 = sh + (int)((int64_t)n * (k + 1) / own); \
         const int32_t *blocks = block_table + (int64_t)r * max_blocks;                            \
         const int h0 = whole ? 0 : kh * group + c * MAX_GROUP;                                    \
         const int g = group - c * MAX_GROUP < MAX_GROUP ? group - c * MAX_GROUP : MAX_GROUP;      \
@@ -602,6 +690,12 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
             ITEM(q + ((int64_t)r * num_heads + h0) * d, cache, page_stride, block_size, blocks,   \
                  start, t0, t1, kh, g, d, row, v_offset, scale, cap, io, im, il);                 \
         if (nsplit == 1) normalize(io, im, il, sinks ? sinks + h0 : NULL, whole ? num_heads : g, d); \
+    }                                                                                             \
+    if (groups) {                                                                                 \
+        for (int j = 0; j < groups; j++) slot[num_reqs + j] = shared[members[member0[j]]];        \
+        shared_prefix_decode_bf16(q, (const uint16_t *)cache, page_stride, block_size, block_table, max_blocks, \
+                                  groups, members, member0, slot + num_reqs, slot, num_heads,     \
+                                  num_kv_heads, d, scale, cap, pm, pl, po);                       \
     }                                                                                             \
     if (total_splits == num_reqs) { free(first); return; }                                        \
     /* Merge each request's splits: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s; a sink joins \
@@ -634,10 +728,10 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     free(first); free(pm); free(pl); free(po);                                                    \
 }
 
-DEFINE_DECODE(paged_decode_f32, float, item_f32, item_avx_f32)
-DEFINE_DECODE(paged_decode_bf16, uint16_t, item_bf16, item_avx_bf16)
-DEFINE_DECODE(paged_decode_fp8, uint8_t, item_fp8, item_avx_fp8)
-DEFINE_DECODE(paged_decode_int8, int8_t, item_int8, item_avx_int8)
+DEFINE_DECODE(paged_decode_f32, float, item_f32, item_avx_f32, 0)
+DEFINE_DECODE(paged_decode_bf16, uint16_t, item_bf16, item_avx_bf16, CASCADE_BF16)
+DEFINE_DECODE(paged_decode_fp8, uint8_t, item_fp8, item_avx_fp8, 0)
+DEFINE_DECODE(paged_decode_int8, int8_t, item_int8, item_avx_int8, 0)
 
 int paged_decode_max_head_size(void) { return MAX_HEAD; }
 

@@ -104,9 +104,79 @@ static inline uint16_t kv_at(const void *row, int64_t i, const uint16_t *table) 
 /* Copy keys [k0, k1) of KV head kh (k0 a multiple of PF_KT) into the packed layouts, the last tile
  * padded with zeros: kp[tile][d / 2][PF_KT] pairs of dimensions, vp[tile][PF_KT / 2][d] pairs of
  * keys (uint32 = two bf16, the lower one first). Pages hold bf16 elements, or (table set) bytes. */
+/* 16 x 16 dwords: dst[j * ds + i] = src[i][j], by the usual four rounds of unpacks and lane shuffles. */
+static inline void transpose16(const uint32_t *const *src, uint32_t *restrict dst, int64_t ds) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_loadu_si512(src[i]);
+    for (int i = 0; i < 16; i += 2) {
+        b[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]);
+        b[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        a[i] = _mm512_unpacklo_epi64(b[i], b[i + 2]);
+        a[i + 1] = _mm512_unpackhi_epi64(b[i], b[i + 2]);
+        a[i + 2] = _mm512_unpacklo_epi64(b[i + 1], b[i + 3]);
+        a[i + 3] = _mm512_unpackhi_epi64(b[i + 1], b[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        b[i] = _mm512_shuffle_i32x4(a[i], a[4 + i], 0x88);
+        b[4 + i] = _mm512_shuffle_i32x4(a[i], a[4 + i], 0xDD);
+        b[8 + i] = _mm512_shuffle_i32x4(a[8 + i], a[12 + i], 0x88);
+        b[12 + i] = _mm512_shuffle_i32x4(a[8 + i], a[12 + i], 0xDD);
+    }
+    for (int i = 0; i < 4; i++) {
+        a[i] = _mm512_shuffle_i32x4(b[i], b[8 + i], 0x88);
+        a[8 + i] = _mm512_shuffle_i32x4(b[i], b[8 + i], 0xDD);
+        a[4 + i] = _mm512_shuffle_i32x4(b[4 + i], b[12 + i], 0x88);
+        a[12 + i] = _mm512_shuffle_i32x4(b[4 + i], b[12 + i], 0xDD);
+    }
+    for (int k = 0; k < 16; k++) _mm512_storeu_si512(dst + (int64_t)k * ds, a[k]); /* a[k]: column k */
+}
+
+/* pack_kv for bf16 pages and head sizes in 32s: K by 16 x 16 transposes of dword pairs, V by one
+ * interleaving permute per 32 dimensions of a pair of keys. Keys past k1 read a zero row. */
+static void pack_kv_bf16(const uint16_t *cache, int64_t page_stride, int block_size, const int32_t *blocks,
+                         int64_t row, int64_t v_offset, int kh, int d, int k0, int k1, int tile,
+                         uint32_t *restrict kp, uint32_t *restrict vp) {
+    static const uint16_t zeros[PF_MAX_D] __attribute__((aligned(64)));
+    uint32_t *kt = kp + (int64_t)tile * (d / 2) * PF_KT;
+    uint16_t *vt = (uint16_t *)(vp + (int64_t)tile * (PF_KT / 2) * d);
+    const uint16_t *k_rows[PF_KT], *v_rows[PF_KT];
+    for (int i = 0; i < PF_KT; i++) {
+        const int pos = k0 + tile * PF_KT + i;
+        if (pos >= k1) {
+            k_rows[i] = v_rows[i] = zeros;
+            continue;
+        }
+        k_rows[i] = cache + (int64_t)blocks[pos / block_size] * page_stride + (int64_t)(pos % block_size) * row
+                    + (int64_t)kh * d;
+        v_rows[i] = k_rows[i] + v_offset;
+    }
+    for (int i0 = 0; i0 < PF_KT; i0 += 16)
+        for (int j0 = 0; j0 < d / 2; j0 += 16) {
+            const uint32_t *src[16];
+            for (int i = 0; i < 16; i++) src[i] = (const uint32_t *)k_rows[i0 + i] + j0;
+            transpose16(src, kt + (int64_t)j0 * PF_KT + i0, PF_KT);
+        }
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int p = 0; p < PF_KT / 2; p++)
+        for (int j = 0; j < d; j += 32) {
+            const __m512i a = _mm512_loadu_si512(v_rows[2 * p] + j), b = _mm512_loadu_si512(v_rows[2 * p + 1] + j);
+            _mm512_storeu_si512(vt + (int64_t)p * 2 * d + 2 * j, _mm512_permutex2var_epi16(a, lo, b));
+            _mm512_storeu_si512(vt + (int64_t)p * 2 * d + 2 * j + 32, _mm512_permutex2var_epi16(a, hi, b));
+        }
+}
+
 static void pack_kv(const void *cache, const uint16_t *table, int64_t page_stride, int block_size, const int32_t *blocks,
                     int64_t row, int64_t v_offset, int kh, int d, int k0, int k1, int tile,
                     uint32_t *restrict kp, uint32_t *restrict vp) {
+    if (!table && d % 32 == 0) {
+        pack_kv_bf16((const uint16_t *)cache, page_stride, block_size, blocks, row, v_offset, kh, d, k0, k1, tile, kp,
+                     vp);
+        return;
+    }
     uint32_t *kt = kp + (int64_t)tile * (d / 2) * PF_KT;
     uint16_t *vt = (uint16_t *)(vp + (int64_t)tile * (PF_KT / 2) * d);
     for (int i = 0; i < PF_KT; i++) {
@@ -317,6 +387,27 @@ typedef struct {
     int pos[PF_MAX_ROWS];
 } pf_scratch;
 
+/* The online-softmax loop of an item over packed key tiles [tile0, tile1) (keys from kbase), for the
+ * rows set up in w (bf16 queries, positions, m = -inf, l = 0); leaves unnormalized outputs in w->o. */
+static void attend_rows(const uint32_t *kp, const uint32_t *vp, int kbase, int tile0, int tile1, int rows, int d,
+                        float scale, int window, float cap, pf_scratch *w, int amx) {
+    memset(w->o, 0, sizeof(float) * (size_t)rows * d);
+    const tile_pv_fn pv = pv_for(d);
+    for (int tile = tile0; tile < tile1; tile++) {
+        const uint32_t *kt = kp + (int64_t)tile * (d / 2) * PF_KT;
+        const uint32_t *vt = vp + (int64_t)tile * (PF_KT / 2) * d;
+        if (amx)
+            tile_scores_amx(w->qb, kt, rows, d, scale, w->s);
+        else
+            tile_scores(w->qb, kt, rows, d, scale, w->s);
+        tile_softmax(w->s, w->pos, rows, kbase + tile * PF_KT, window, cap, w->m, w->l, w->alpha, w->p);
+        if (amx)
+            tile_pv_amx(w->p, vt, w->alpha, rows, d, w->o);
+        else
+            pv(w->p, vt, w->alpha, rows, w->o);
+    }
+}
+
 /* Item (chunk c, KV head kh, query tokens [t0, t1) of the chunk). */
 static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp, const uint32_t *vp,
                         int kbase, int ctx, int start, int t0, int t1, int kh, int g, int d, float scale,
@@ -338,24 +429,11 @@ static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
         w->m[r] = -INFINITY;
         w->l[r] = 0.f;
     }
-    memset(w->o, 0, sizeof(float) * (size_t)rows * d);
     const int first_pos = ctx + t0, last_pos = ctx + t1 - 1;
     int lo_key = window > 0 ? first_pos - window + 1 : 0;
     if (lo_key < kbase) lo_key = kbase;
-    const tile_pv_fn pv = pv_for(d);
-    for (int tile = (lo_key - kbase) / PF_KT; kbase + tile * PF_KT <= last_pos; tile++) {
-        const uint32_t *kt = kp + (int64_t)tile * (d / 2) * PF_KT;
-        const uint32_t *vt = vp + (int64_t)tile * (PF_KT / 2) * d;
-        if (amx)
-            tile_scores_amx(w->qb, kt, rows, d, scale, w->s);
-        else
-            tile_scores(w->qb, kt, rows, d, scale, w->s);
-        tile_softmax(w->s, w->pos, rows, kbase + tile * PF_KT, window, cap, w->m, w->l, w->alpha, w->p);
-        if (amx)
-            tile_pv_amx(w->p, vt, w->alpha, rows, d, w->o);
-        else
-            pv(w->p, vt, w->alpha, rows, w->o);
-    }
+    attend_rows(kp, vp, kbase, (lo_key - kbase) / PF_KT, (last_pos - kbase) / PF_KT + 1, rows, d, scale, window,
+                cap, w, amx);
     for (int r = 0; r < live; r++) {
         const int t = t0 + r / g, h = r % g;
         const float f = sinks ? sink_factor(w->m[r], w->l[r], sinks[kh * g + h])
@@ -425,6 +503,95 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
             const int64_t base = (tile0[c] * num_kv_heads + (int64_t)kh * (tile0[c + 1] - tile0[c])) * tile_elems;
             attend_item(q, q_stride, kp + base, vp + base, key_base(ctx, window), ctx, start, t0, t1, kh, g, d,
                         scale, window, cap, sinks, out, out_stride, w, amx);
+        }
+#if AMX_AVAILABLE
+        if (amx) _tile_release();
+#endif
+        free(w);
+    }
+    free(tile0); free(item0); free(kp); free(vp);
+}
+
+/* Decodes sharing a cached prefix (cascade attention): csrc/paged_attention.c finds requests whose
+ * block tables begin with the same pages and hands the common pages here, once per group. Their
+ * keys and values are packed once per (group, KV head), and every member's query heads of that KV
+ * head are rows of one item, as a prefill chunk's tokens are: each packed tile serves all of them,
+ * on AMX tiles where present, where the decode kernel would read the prefix once per request. The
+ * results are partials (unnormalized outputs, max, sum per query head) that the decode kernel
+ * merges with its own over the rest of each request's tokens.
+ *
+ * Group j: members[member0[j] .. member0[j + 1]) (request indices, the first one's block table used),
+ * over its first tokens[j] tokens (whole pages). q: float32 [requests, num_heads, d], rounded to
+ * bf16 as the decode kernel rounds it; partial slot slot[r] of request r gets pm/pl [num_heads] and
+ * po [num_heads, d] at slot * num_heads. */
+#define SP_MEMBERS (PF_MAX_ROWS / PF_MAX_G) /* members per item: 16, whatever the GQA group */
+void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t page_stride, int block_size,
+                               const int32_t *block_table, int max_blocks, int num_groups, const int *members,
+                               const int *member0, const int *tokens, const int *slot, int num_heads,
+                               int num_kv_heads, int d, float scale, float cap, float *pm, float *pl, float *po) {
+    const int g = num_heads / num_kv_heads;
+    const int64_t row = (int64_t)num_kv_heads * d, v_offset = (int64_t)block_size * row;
+    const int64_t tile_elems = (int64_t)PF_KT * d / 2;
+    int64_t *tile0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_groups + 1));
+    int64_t *item0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_groups + 1));
+    tile0[0] = item0[0] = 0;
+    for (int j = 0; j < num_groups; j++) {
+        tile0[j + 1] = tile0[j] + (tokens[j] + PF_KT - 1) / PF_KT;
+        const int count = member0[j + 1] - member0[j];
+        item0[j + 1] = item0[j] + (int64_t)num_kv_heads * ((count + SP_MEMBERS - 1) / SP_MEMBERS);
+    }
+    uint32_t *kp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(tile0[num_groups] * num_kv_heads * tile_elems));
+    uint32_t *vp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(tile0[num_groups] * num_kv_heads * tile_elems));
+    const int64_t pack_items = tile0[num_groups] * num_kv_heads;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t it = 0; it < pack_items; it++) {
+        const int64_t gt = it / num_kv_heads;
+        const int kh = (int)(it % num_kv_heads);
+        int j = 0;
+        while (tile0[j + 1] <= gt) j++;
+        const int64_t base = (tile0[j] * num_kv_heads + (int64_t)kh * (tile0[j + 1] - tile0[j])) * tile_elems;
+        pack_kv(cache, NULL, page_stride, block_size, block_table + (int64_t)members[member0[j]] * max_blocks, row,
+                v_offset, kh, d, 0, tokens[j], (int)(gt - tile0[j]), kp + base, vp + base);
+    }
+    const int64_t items = item0[num_groups];
+    const int amx = prefill_amx(d);
+    _Pragma("omp parallel")
+    {
+        pf_scratch *w = (pf_scratch *)aligned_alloc(64, (sizeof(pf_scratch) + 63) / 64 * 64);
+#if AMX_AVAILABLE
+        if (amx) amx_configure();
+#endif
+        _Pragma("omp for schedule(dynamic, 1)")
+        for (int64_t it = 0; it < items; it++) {
+            int j = 0;
+            while (item0[j + 1] <= it) j++;
+            const int64_t local = it - item0[j];
+            const int kh = (int)(local % num_kv_heads), chunk = (int)(local / num_kv_heads);
+            const int m0 = member0[j] + chunk * SP_MEMBERS;
+            const int m1 = m0 + SP_MEMBERS < member0[j + 1] ? m0 + SP_MEMBERS : member0[j + 1];
+            const int live = (m1 - m0) * g, block = amx ? 16 : PF_RS;
+            const int rows = (live + block - 1) / block * block;
+            for (int r = 0; r < rows; r++) {
+                uint16_t *qr = (uint16_t *)(w->qb + (int64_t)r * (d / 2));
+                if (r < live) {
+                    const float *src = q + ((int64_t)members[m0 + r / g] * num_heads + kh * g + r % g) * d;
+                    for (int i = 0; i < d; i++) qr[i] = f32_to_bf16(src[i]);
+                    w->pos[r] = tokens[j] - 1; /* every prefix key visible, the padding past it not */
+                } else {
+                    memset(qr, 0, sizeof(uint16_t) * d);
+                    w->pos[r] = -1;
+                }
+                w->m[r] = -INFINITY;
+                w->l[r] = 0.f;
+            }
+            const int64_t base = (tile0[j] * num_kv_heads + (int64_t)kh * (tile0[j + 1] - tile0[j])) * tile_elems;
+            attend_rows(kp + base, vp + base, 0, 0, (int)(tile0[j + 1] - tile0[j]), rows, d, scale, 0, cap, w, amx);
+            for (int r = 0; r < live; r++) {
+                const int64_t at = (int64_t)slot[members[m0 + r / g]] * num_heads + kh * g + r % g;
+                pm[at] = w->m[r];
+                pl[at] = w->l[r];
+                memcpy(po + at * d, w->o + (int64_t)r * d, sizeof(float) * (size_t)d);
+            }
         }
 #if AMX_AVAILABLE
         if (amx) _tile_release();
