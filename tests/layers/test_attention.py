@@ -302,7 +302,9 @@ def test_c_kernel_cascade_keeps_soft_cap_and_sinks(softcap, with_sinks):
     for cascade in (True, False):
         cpu_kernels.set_cascade(cascade)
         try:
-            outs.append(cpu_kernels.paged_decode(q, cache, table, seq, d**-0.5, None, softcap=softcap, sinks=sinks))
+            outs.append(
+                cpu_kernels.paged_decode(q, cache, table, seq, d**-0.5, None, softcap=softcap, sinks=sinks)
+            )
         finally:
             cpu_kernels.set_cascade(True)
     torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=2e-3)
