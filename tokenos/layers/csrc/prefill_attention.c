@@ -339,27 +339,30 @@ static void tile_scores_amx(const uint32_t *restrict qb, const uint32_t *restric
     for (int64_t i = 0; i < (int64_t)rows * PF_KT; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), sc));
 }
 
-/* o[r] = alpha[r] * o[r] + p[r] V, the outputs rescaled in memory and then accumulated on the tiles. */
+/* o[r] = alpha[r] * o[r] + p[r] V: the tile's products into zeroed accumulators, stored to pv, then
+ * folded into the outputs by the vector unit (loading accumulators from outputs the vector unit had
+ * just rescaled made every tile wait on those stores). */
 static void tile_pv_amx(const uint32_t *restrict p, const uint32_t *restrict vt, const float *restrict alpha,
-                        int rows, int d, float *restrict o) {
-    for (int r = 0; r < rows; r++) {
-        const __m512 a = _mm512_set1_ps(alpha[r]);
-        float *orow = o + (int64_t)r * d;
-        for (int j = 0; j < d; j += 16) _mm512_storeu_ps(orow + j, _mm512_mul_ps(_mm512_loadu_ps(orow + j), a));
-    }
+                        int rows, int d, float *restrict o, float *restrict pv) {
     for (int r0 = 0; r0 < rows; r0 += 16) {
         _tile_loadd(2, p + (int64_t)r0 * (PF_KT / 2), PF_KT * 2);
         for (int j = 0; j < d; j += 32) {
-            float *c = o + (int64_t)r0 * d + j;
-            _tile_loadd(0, c, d * 4);
-            _tile_loadd(1, c + 16, d * 4);
+            _tile_zero(0);
+            _tile_zero(1);
             _tile_loadd(3, vt + j, d * 4);
             _tile_loadd(4, vt + j + 16, d * 4);
             _tile_dpbf16ps(0, 2, 3);
             _tile_dpbf16ps(1, 2, 4);
-            _tile_stored(0, c, d * 4);
-            _tile_stored(1, c + 16, d * 4);
+            _tile_stored(0, pv + (int64_t)r0 * d + j, d * 4);
+            _tile_stored(1, pv + (int64_t)r0 * d + j + 16, d * 4);
         }
+    }
+    for (int r = 0; r < rows; r++) {
+        const __m512 a = _mm512_set1_ps(alpha[r]);
+        float *orow = o + (int64_t)r * d;
+        const float *prow = pv + (int64_t)r * d;
+        for (int j = 0; j < d; j += 16)
+            _mm512_storeu_ps(orow + j, _mm512_fmadd_ps(_mm512_loadu_ps(orow + j), a, _mm512_loadu_ps(prow + j)));
     }
 }
 
@@ -368,7 +371,7 @@ static int prefill_amx(int d) { return d % 32 == 0 && kernels_amx_ready(); }
 #else
 static int prefill_amx(int d) { (void)d; return 0; }
 #define tile_scores_amx(qb, kt, rows, d, scale, s) abort()
-#define tile_pv_amx(p, vt, alpha, rows, d, o) abort()
+#define tile_pv_amx(p, vt, alpha, rows, d, o, pv) abort()
 #endif
 
 int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size) {
@@ -383,6 +386,7 @@ typedef struct {
     float s[PF_MAX_ROWS * PF_KT];
     uint32_t p[PF_MAX_ROWS * PF_KT / 2];
     float o[PF_MAX_ROWS * PF_MAX_D];
+    float pv[PF_MAX_ROWS * PF_MAX_D]; /* a tile's P V on the AMX path */
     float m[PF_MAX_ROWS], l[PF_MAX_ROWS], alpha[PF_MAX_ROWS];
     int pos[PF_MAX_ROWS];
 } pf_scratch;
@@ -402,7 +406,7 @@ static void attend_rows(const uint32_t *kp, const uint32_t *vp, int kbase, int t
             tile_scores(w->qb, kt, rows, d, scale, w->s);
         tile_softmax(w->s, w->pos, rows, kbase + tile * PF_KT, window, cap, w->m, w->l, w->alpha, w->p);
         if (amx)
-            tile_pv_amx(w->p, vt, w->alpha, rows, d, w->o);
+            tile_pv_amx(w->p, vt, w->alpha, rows, d, w->o, w->pv);
         else
             pv(w->p, vt, w->alpha, rows, w->o);
     }
