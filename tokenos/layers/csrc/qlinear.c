@@ -314,6 +314,19 @@ static void deq_block(const qweight *w, int64_t blk, int64_t p0, int64_t p1, __m
         int64_t g = p / gp, end = (g + 1) * gp < p1 ? (g + 1) * gp : p1;
         spread(w->s + (blk * groups + g) * 16, &sb, &sa);
         if (w->z) spread(w->z + (blk * groups + g) * 16, &zb, &za);
+        /* int4: an even pair and the next share one double cell, widened once for both (the low
+         * nibbles are the even pair, the high ones the odd). */
+        for (; w->bits == 4 && (p & 1) == 0 && p + 1 < end; p += 2) {
+            const uint8_t *cell = cells + (p >> 1) * 32;
+            const __m512i f = _mm512_set1_epi32(15);
+            __m512i db = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)cell));
+            __m512i da = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(cell + 16)));
+            __m512 b0 = _mm512_cvtepi32_ps(_mm512_and_si512(db, f)), a0 = _mm512_cvtepi32_ps(_mm512_and_si512(da, f));
+            __m512 b1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(db, 4)), a1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(da, 4));
+            dst[(p - p0) * step] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(a0, sa, za), _mm512_fmadd_ps(b0, sb, zb));
+            dst[(p + 1 - p0) * step] =
+                (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(a1, sa, za), _mm512_fmadd_ps(b1, sb, zb));
+        }
         for (; p < end; p++) {
             __m512 b, a;
             cell_floats(cells, p, w->bits, &b, &a);
