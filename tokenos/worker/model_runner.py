@@ -123,7 +123,7 @@ class ModelRunner:
             f"(native bf16: {'yes' if native_bf16_supported() else 'no'}), {self.num_threads} threads; "
             f"{self._describe_weights()}; "
             f"linears: {self._describe_linears()}; "
-            f"decode attention: {'C kernel' if c_kernel else 'torch'}; "
+            f"decode attention: {self._decode_kernel(c_kernel)}; "
             f"prefill attention: {self._prefill_kernel()}"
         )
 
@@ -134,7 +134,20 @@ class ModelRunner:
             for name, attr in (("quantized", "quantized"), ("oneDNN packed", "packed"))
             if any(getattr(m, attr, None) for m in modules)  # a dict of experts: empty until quantized
         ]
+        if "quantized" in kinds and self.model_config.dtype == torch.bfloat16 and cpu_kernels.uses_amx():
+            kinds[kinds.index("quantized")] = "quantized (AMX tiles past 8 rows)"
         return " + ".join(kinds) or "F.linear"
+
+    def _decode_kernel(self, c_kernel: bool) -> str:
+        if not c_kernel:
+            return "torch"
+        bf16 = self.model_config.dtype == torch.bfloat16 and getattr(
+            self.cache_config, "cache_dtype", "auto"
+        ) in (
+            "auto",
+            "bfloat16",
+        )
+        return "C kernel + cascade over shared pages" if bf16 and cpu_kernels.uses_cascade() else "C kernel"
 
     def _describe_weights(self) -> str:
         """Resident weight bytes, and which are quantized (and run by which kernel)."""
@@ -154,7 +167,10 @@ class ModelRunner:
         if self.model_config.dtype != torch.bfloat16 or not layers or kv_dtype == "float32":
             return "torch SDPA"  # the C kernel reads bf16, fp8 and int8 pages
         shapes = {(m.num_heads, m.num_kv_heads, m.head_size) for m in layers}
-        return "C kernel" if all(cpu_kernels.prefill_supported(*s) for s in shapes) else "torch SDPA"
+        if not all(cpu_kernels.prefill_supported(*s) for s in shapes):
+            return "torch SDPA"
+        amx = cpu_kernels.uses_amx() and all(d % 32 == 0 for _, _, d in shapes)
+        return "C kernel (AMX tiles)" if amx else "C kernel"
 
     def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         """The model's cache layers' specs, then the drafter's (named ``drafter.*``, or ``mtp.*`` for the MTP
