@@ -169,23 +169,6 @@ static inline __m512 load16_int8(const int8_t *p) {
 #define SCORE_BUF 16384
 #define MAX_CHUNK 256
 
-/* 16 vectors -> one vector of their 16 horizontal sums (lane i = sum of v[i]'s lanes), by a
- * transpose-and-add tree: 45 shuffles and adds where 16 separate reductions take about 130. */
-static inline __m512 sum16(const __m512 *v) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) {
-        __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-        b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-    }
-    /* b[i], 128-bit lane L, element e: partial (lane L) sum of token 4i + e. */
-    for (int i = 0; i < 2; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-}
-
 /* The scaled scores of one tile of up to 16 tokens for one KV head and its G query heads (head size
  * 16 * DV) into s[h * ss + i], -inf for i >= n so the softmax gives those tokens nothing. G and DV are
  * compile-time constants so the loops unroll. */

@@ -231,41 +231,67 @@ static void tile_scores(const uint32_t *restrict qb, const uint32_t *restrict kt
 /* Online softmax over one tile for each row: keys kpos0 + [0, PF_KT) visible to row r are those in
  * [lo_r, hi_r] (lo_r/hi_r from its position and the window). Writes p as bf16 pairs and the factor
  * alpha the row's outputs are rescaled by; rows seeing no key of the tile get p = 0, alpha = 1.
- * cap > 0: the scores are soft-capped (cap * tanh(s / cap)) before the mask, as the models define it. */
+ * cap > 0: the scores are soft-capped (cap * tanh(s / cap)) before the mask, as the models define it.
+ * Rows go 16 at a time so that their maxima, sums and rescale factors are vectors: one
+ * transpose-and-reduce (max16 / sum16) and one exp for 16 rows instead of two horizontal
+ * reductions and a scalar exp per row. m, l, alpha have room for whole blocks of 16 (PF_MAX_ROWS). */
 static void tile_softmax(const float *restrict s, const int *restrict row_pos, int rows, int kpos0,
                          int window, float cap, float *restrict m, float *restrict l, float *restrict alpha,
                          uint32_t *restrict p) {
     const __m512 neg = _mm512_set1_ps(-INFINITY);
     const __m512 capv = _mm512_set1_ps(cap), inv_cap = _mm512_set1_ps(cap > 0.f ? 1.f / cap : 0.f);
-    for (int r = 0; r < rows; r++) {
-        const int pos = row_pos[r];
-        int lo = window > 0 ? pos - window + 1 - kpos0 : -kpos0;
-        int hi = pos - kpos0;
-        if (lo < 0) lo = 0;
-        if (hi > PF_KT - 1) hi = PF_KT - 1;
-        if (pos < 0 || hi < lo) {
-            memset(p + (int64_t)r * (PF_KT / 2), 0, sizeof(uint32_t) * (PF_KT / 2));
-            alpha[r] = 1.f;
-            continue;
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        const int nr = rows - r0 < 16 ? rows - r0 : 16;
+        const __mmask16 lanes = (__mmask16)((1u << nr) - 1);
+        __m512 s0[16], s1[16], mx[16], sums[16];
+        __mmask16 k0[16], k1[16], live = 0;
+        for (int i = 0; i < 16; i++) {
+            mx[i] = neg;
+            if (i >= nr) continue;
+            const int pos = row_pos[r0 + i];
+            int lo = window > 0 ? pos - window + 1 - kpos0 : -kpos0;
+            int hi = pos - kpos0;
+            if (lo < 0) lo = 0;
+            if (hi > PF_KT - 1) hi = PF_KT - 1;
+            if (pos < 0 || hi < lo) continue;
+            live |= (__mmask16)(1u << i);
+            const uint32_t bits = (uint32_t)(((uint64_t)2 << hi) - ((uint64_t)1 << lo));
+            k0[i] = (__mmask16)(bits & 0xffffu);
+            k1[i] = (__mmask16)(bits >> 16);
+            const float *sr = s + (int64_t)(r0 + i) * PF_KT;
+            __m512 raw0 = _mm512_loadu_ps(sr), raw1 = _mm512_loadu_ps(sr + 16);
+            if (cap > 0.f) {
+                raw0 = softcap16(raw0, capv, inv_cap);
+                raw1 = softcap16(raw1, capv, inv_cap);
+            }
+            s0[i] = _mm512_mask_mov_ps(neg, k0[i], raw0);
+            s1[i] = _mm512_mask_mov_ps(neg, k1[i], raw1);
+            mx[i] = _mm512_max_ps(s0[i], s1[i]);
         }
-        const uint32_t bits = (uint32_t)(((uint64_t)2 << hi) - ((uint64_t)1 << lo));
-        const __mmask16 k0 = (__mmask16)(bits & 0xffffu), k1 = (__mmask16)(bits >> 16);
-        __m512 raw0 = _mm512_loadu_ps(s + (int64_t)r * PF_KT), raw1 = _mm512_loadu_ps(s + (int64_t)r * PF_KT + 16);
-        if (cap > 0.f) {
-            raw0 = softcap16(raw0, capv, inv_cap);
-            raw1 = softcap16(raw1, capv, inv_cap);
+        const __m512 m_old = _mm512_maskz_loadu_ps(lanes, m + r0);
+        const __m512 m_new = _mm512_mask_max_ps(m_old, live, m_old, max16(mx));
+        /* exp(-inf) = 0 for a row's first visible tile; rows seeing nothing keep everything (alpha 1). */
+        const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), live, exp16(_mm512_sub_ps(m_old, m_new)));
+        float mn[16] __attribute__((aligned(64)));
+        _mm512_store_ps(mn, m_new);
+        for (int i = 0; i < 16; i++) {
+            sums[i] = _mm512_setzero_ps();
+            if (i >= nr) continue;
+            uint32_t *pr = p + (int64_t)(r0 + i) * (PF_KT / 2);
+            if (!((live >> i) & 1)) {
+                _mm512_storeu_si512(pr, _mm512_setzero_si512());
+                continue;
+            }
+            const __m512 mv = _mm512_set1_ps(mn[i]);
+            const __m512 e0 = _mm512_maskz_mov_ps(k0[i], exp16(_mm512_sub_ps(s0[i], mv)));
+            const __m512 e1 = _mm512_maskz_mov_ps(k1[i], exp16(_mm512_sub_ps(s1[i], mv)));
+            sums[i] = _mm512_add_ps(e0, e1);
+            _mm512_storeu_si512(pr, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         }
-        const __m512 s0 = _mm512_mask_mov_ps(neg, k0, raw0);
-        const __m512 s1 = _mm512_mask_mov_ps(neg, k1, raw1);
-        const float mt = fmaxf(m[r], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-        const float a = m[r] == -INFINITY ? 0.f : expf(m[r] - mt);
-        const __m512 mv = _mm512_set1_ps(mt);
-        const __m512 e0 = _mm512_maskz_mov_ps(k0, exp16(_mm512_sub_ps(s0, mv)));
-        const __m512 e1 = _mm512_maskz_mov_ps(k1, exp16(_mm512_sub_ps(s1, mv)));
-        l[r] = l[r] * a + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-        m[r] = mt;
-        alpha[r] = a;
-        _mm512_storeu_si512(p + (int64_t)r * (PF_KT / 2), (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        const __m512 l_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, l + r0), a, sum16(sums));
+        _mm512_mask_storeu_ps(m + r0, lanes, m_new);
+        _mm512_mask_storeu_ps(l + r0, lanes, l_new);
+        _mm512_mask_storeu_ps(alpha + r0, lanes, a);
     }
 }
 
