@@ -476,6 +476,70 @@ static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
     }
 }
 
+/* Packed K/V of several key ranges ("units": a prefill chunk's visible keys, a decode group's shared
+ * pages), each packed once per KV head; unit u reads blocks[u]'s pages over keys [k0[u], k1[u]). */
+typedef struct {
+    uint32_t *kp, *vp;
+    int64_t *tile0; /* unit u's tiles: [tile0[u], tile0[u + 1]) per KV head */
+    int64_t tile_elems;
+    int num_kv_heads;
+} packed_kv;
+
+/* Where unit u's tiles of KV head kh start in kp / vp. */
+static inline int64_t packed_base(const packed_kv *pk, int u, int kh) {
+    return (pk->tile0[u] * pk->num_kv_heads + (int64_t)kh * (pk->tile0[u + 1] - pk->tile0[u])) * pk->tile_elems;
+}
+
+static void pack_units(packed_kv *pk, const void *cache, const uint16_t *table, int64_t page_stride, int block_size,
+                       const int32_t *const *blocks, const int *k0, const int *k1, int units, int num_kv_heads,
+                       int64_t row, int64_t v_offset, int d) {
+    pk->num_kv_heads = num_kv_heads;
+    pk->tile_elems = (int64_t)PF_KT * d / 2; /* uint32 per packed tile of K (and of V) */
+    pk->tile0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(units + 1));
+    pk->tile0[0] = 0;
+    for (int u = 0; u < units; u++) pk->tile0[u + 1] = pk->tile0[u] + (k1[u] - k0[u] + PF_KT - 1) / PF_KT;
+    const int64_t elems = pk->tile0[units] * num_kv_heads * pk->tile_elems;
+    pk->kp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)elems);
+    pk->vp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)elems);
+    const int64_t pack_items = pk->tile0[units] * num_kv_heads;
+    _Pragma("omp parallel for schedule(static)")
+    for (int64_t it = 0; it < pack_items; it++) {
+        const int64_t gt = it / num_kv_heads; /* global tile index */
+        const int kh = (int)(it % num_kv_heads);
+        int u = 0;
+        while (pk->tile0[u + 1] <= gt) u++;
+        const int64_t base = packed_base(pk, u, kh);
+        pack_kv(cache, table, page_stride, block_size, blocks[u], row, v_offset, kh, d, k0[u], k1[u],
+                (int)(gt - pk->tile0[u]), pk->kp + base, pk->vp + base);
+    }
+}
+
+static void packed_free(packed_kv *pk) {
+    free(pk->tile0);
+    free(pk->kp);
+    free(pk->vp);
+}
+
+/* A thread's scratch for the items of one parallel region, its AMX tiles configured where used. */
+static pf_scratch *scratch_begin(int amx) {
+    pf_scratch *w = (pf_scratch *)aligned_alloc(64, (sizeof(pf_scratch) + 63) / 64 * 64);
+#if AMX_AVAILABLE
+    if (amx) amx_configure();
+#else
+    (void)amx;
+#endif
+    return w;
+}
+
+static void scratch_end(pf_scratch *w, int amx) {
+#if AMX_AVAILABLE
+    if (amx) _tile_release();
+#else
+    (void)amx;
+#endif
+    free(w);
+}
+
 /* chunks: int32 [num_chunks][3] = (first token in q/out, query length, tokens cached before it);
  * block_table: int32 [num_chunks][max_blocks]. q and out: [tokens, num_heads, head_size] bf16 with
  * token strides q_stride / out_stride (elements), heads contiguous. cap: the attention-logit soft cap
@@ -488,38 +552,24 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
     const uint16_t *table = kv_table(kv_kind);
     const int64_t row = (int64_t)num_kv_heads * d, v_offset = (int64_t)block_size * row;
     /* Packed K/V per (chunk, KV head): tiles of [PF_KT * d] uint32 for K and for V. */
-    int64_t *tile0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));
     int64_t *item0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_chunks + 1));
-    tile0[0] = item0[0] = 0;
+    const int32_t **blocks = (const int32_t **)malloc(sizeof(*blocks) * (size_t)num_chunks);
+    int *k0 = (int *)malloc(sizeof(int) * (size_t)(2 * num_chunks)), *k1 = k0 + num_chunks;
+    item0[0] = 0;
     for (int c = 0; c < num_chunks; c++) {
         const int qlen = chunks[3 * c + 1], ctx = chunks[3 * c + 2];
-        const int kbase = key_base(ctx, window);
-        tile0[c + 1] = tile0[c] + (ctx + qlen - kbase + PF_KT - 1) / PF_KT;
+        blocks[c] = block_table + (int64_t)c * max_blocks;
+        k0[c] = key_base(ctx, window);
+        k1[c] = ctx + qlen;
         item0[c + 1] = item0[c] + (int64_t)num_kv_heads * ((qlen + PF_QT - 1) / PF_QT);
     }
-    const int64_t tile_elems = (int64_t)PF_KT * d / 2; /* uint32 per packed tile of K (and of V) */
-    uint32_t *kp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(tile0[num_chunks] * num_kv_heads * tile_elems));
-    uint32_t *vp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(tile0[num_chunks] * num_kv_heads * tile_elems));
-    const int64_t pack_items = tile0[num_chunks] * num_kv_heads;
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t it = 0; it < pack_items; it++) {
-        const int64_t gt = it / num_kv_heads; /* global tile index */
-        const int kh = (int)(it % num_kv_heads);
-        int c = 0;
-        while (tile0[c + 1] <= gt) c++;
-        const int qlen = chunks[3 * c + 1], ctx = chunks[3 * c + 2];
-        const int64_t base = (tile0[c] * num_kv_heads + (int64_t)kh * (tile0[c + 1] - tile0[c])) * tile_elems;
-        pack_kv(cache, table, page_stride, block_size, block_table + (int64_t)c * max_blocks, row, v_offset, kh, d,
-                key_base(ctx, window), ctx + qlen, (int)(gt - tile0[c]), kp + base, vp + base);
-    }
+    packed_kv pk;
+    pack_units(&pk, cache, table, page_stride, block_size, blocks, k0, k1, num_chunks, num_kv_heads, row, v_offset, d);
     const int64_t items = item0[num_chunks];
     const int amx = prefill_amx(d);
     _Pragma("omp parallel")
     {
-        pf_scratch *w = (pf_scratch *)aligned_alloc(64, (sizeof(pf_scratch) + 63) / 64 * 64);
-#if AMX_AVAILABLE
-        if (amx) amx_configure();
-#endif
+        pf_scratch *w = scratch_begin(amx);
         /* Later query tiles see more keys: hand them out first for a better balance. */
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t rev = 0; rev < items; rev++) {
@@ -530,16 +580,14 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
             const int64_t local = it - item0[c];
             const int kh = (int)(local % num_kv_heads), qt = (int)(local / num_kv_heads);
             const int t0 = qt * PF_QT, t1 = t0 + PF_QT < qlen ? t0 + PF_QT : qlen;
-            const int64_t base = (tile0[c] * num_kv_heads + (int64_t)kh * (tile0[c + 1] - tile0[c])) * tile_elems;
-            attend_item(q, q_stride, kp + base, vp + base, key_base(ctx, window), ctx, start, t0, t1, kh, g, d,
-                        scale, window, cap, sinks, out, out_stride, w, amx);
+            const int64_t base = packed_base(&pk, c, kh);
+            attend_item(q, q_stride, pk.kp + base, pk.vp + base, k0[c], ctx, start, t0, t1, kh, g, d, scale, window,
+                        cap, sinks, out, out_stride, w, amx);
         }
-#if AMX_AVAILABLE
-        if (amx) _tile_release();
-#endif
-        free(w);
+        scratch_end(w, amx);
     }
-    free(tile0); free(item0); free(kp); free(vp);
+    packed_free(&pk);
+    free(item0); free(blocks); free(k0);
 }
 
 /* Decodes sharing a cached prefix (cascade attention): csrc/paged_attention.c finds requests whose
@@ -561,36 +609,23 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
                                int num_kv_heads, int d, float scale, float cap, float *pm, float *pl, float *po) {
     const int g = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * d, v_offset = (int64_t)block_size * row;
-    const int64_t tile_elems = (int64_t)PF_KT * d / 2;
-    int64_t *tile0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_groups + 1));
     int64_t *item0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_groups + 1));
-    tile0[0] = item0[0] = 0;
+    const int32_t **blocks = (const int32_t **)malloc(sizeof(*blocks) * (size_t)num_groups);
+    int *k0 = (int *)calloc((size_t)num_groups, sizeof(int)); /* every group's keys from 0 */
+    item0[0] = 0;
     for (int j = 0; j < num_groups; j++) {
-        tile0[j + 1] = tile0[j] + (tokens[j] + PF_KT - 1) / PF_KT;
+        blocks[j] = block_table + (int64_t)members[member0[j]] * max_blocks;
         const int count = member0[j + 1] - member0[j];
         item0[j + 1] = item0[j] + (int64_t)num_kv_heads * ((count + SP_MEMBERS - 1) / SP_MEMBERS);
     }
-    uint32_t *kp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(tile0[num_groups] * num_kv_heads * tile_elems));
-    uint32_t *vp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(tile0[num_groups] * num_kv_heads * tile_elems));
-    const int64_t pack_items = tile0[num_groups] * num_kv_heads;
-    _Pragma("omp parallel for schedule(static)")
-    for (int64_t it = 0; it < pack_items; it++) {
-        const int64_t gt = it / num_kv_heads;
-        const int kh = (int)(it % num_kv_heads);
-        int j = 0;
-        while (tile0[j + 1] <= gt) j++;
-        const int64_t base = (tile0[j] * num_kv_heads + (int64_t)kh * (tile0[j + 1] - tile0[j])) * tile_elems;
-        pack_kv(cache, NULL, page_stride, block_size, block_table + (int64_t)members[member0[j]] * max_blocks, row,
-                v_offset, kh, d, 0, tokens[j], (int)(gt - tile0[j]), kp + base, vp + base);
-    }
+    packed_kv pk;
+    pack_units(&pk, cache, NULL, page_stride, block_size, blocks, k0, tokens, num_groups, num_kv_heads, row, v_offset,
+               d);
     const int64_t items = item0[num_groups];
     const int amx = prefill_amx(d);
     _Pragma("omp parallel")
     {
-        pf_scratch *w = (pf_scratch *)aligned_alloc(64, (sizeof(pf_scratch) + 63) / 64 * 64);
-#if AMX_AVAILABLE
-        if (amx) amx_configure();
-#endif
+        pf_scratch *w = scratch_begin(amx);
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t it = 0; it < items; it++) {
             int j = 0;
@@ -614,8 +649,9 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
                 w->m[r] = -INFINITY;
                 w->l[r] = 0.f;
             }
-            const int64_t base = (tile0[j] * num_kv_heads + (int64_t)kh * (tile0[j + 1] - tile0[j])) * tile_elems;
-            attend_rows(kp + base, vp + base, 0, 0, (int)(tile0[j + 1] - tile0[j]), rows, d, scale, 0, cap, w, amx);
+            const int64_t base = packed_base(&pk, j, kh);
+            attend_rows(pk.kp + base, pk.vp + base, 0, 0, (int)(pk.tile0[j + 1] - pk.tile0[j]), rows, d, scale, 0, cap,
+                        w, amx);
             for (int r = 0; r < live; r++) {
                 const int64_t at = (int64_t)slot[members[m0 + r / g]] * num_heads + kh * g + r % g;
                 pm[at] = w->m[r];
@@ -623,12 +659,10 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
                 memcpy(po + at * d, w->o + (int64_t)r * d, sizeof(float) * (size_t)d);
             }
         }
-#if AMX_AVAILABLE
-        if (amx) _tile_release();
-#endif
-        free(w);
+        scratch_end(w, amx);
     }
-    free(tile0); free(item0); free(kp); free(vp);
+    packed_free(&pk);
+    free(item0); free(blocks); free(k0);
 }
 
 #else
