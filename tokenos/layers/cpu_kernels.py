@@ -179,6 +179,7 @@ def load() -> ctypes.CDLL | None:
     lib.kernels_set_amx(0 if os.environ.get("TOKENOS_DISABLE_AMX") == "1" else 1)
     lib.paged_decode_set_cascade.argtypes = [_I]
     lib.paged_decode_set_cascade.restype = None
+    lib.paged_decode_cascade_on.argtypes = []
     lib.paged_decode_set_cascade(0 if os.environ.get("TOKENOS_DISABLE_CASCADE_ATTN") == "1" else 1)
     for name, argtypes in _QLINEAR_SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
@@ -229,24 +230,19 @@ def set_amx(on: bool) -> None:
         lib.kernels_set_amx(int(on))
 
 
-_cascade = os.environ.get("TOKENOS_DISABLE_CASCADE_ATTN") != "1"
-
-
 def set_cascade(on: bool) -> None:
     """Allow or forbid cascade attention for decodes sharing cached pages (csrc/paged_attention.c's
     find_shared) in this process; ``TOKENOS_DISABLE_CASCADE_ATTN=1`` starts with it off."""
-    global _cascade
     lib = load()
     if lib is not None:
         lib.paged_decode_set_cascade(int(on))
-        _cascade = on
 
 
 def uses_cascade() -> bool:
     """Whether bf16 decodes sharing cached pages attend them once per group: the library, the prefill
     kernel it borrows (AVX512-BF16), and the switch on."""
     lib = load()
-    return bool(lib is not None and _cascade and lib.paged_prefill_available())
+    return bool(lib is not None and lib.paged_decode_cascade_on() and lib.paged_prefill_available())
 
 
 def usable(*tensors: torch.Tensor) -> bool:

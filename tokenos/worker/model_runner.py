@@ -141,12 +141,8 @@ class ModelRunner:
     def _decode_kernel(self, c_kernel: bool) -> str:
         if not c_kernel:
             return "torch"
-        bf16 = self.model_config.dtype == torch.bfloat16 and getattr(
-            self.cache_config, "cache_dtype", "auto"
-        ) in (
-            "auto",
-            "bfloat16",
-        )
+        kv_dtype = getattr(self.cache_config, "cache_dtype", "auto")
+        bf16 = self.model_config.dtype == torch.bfloat16 and kv_dtype in ("auto", "bfloat16")
         return "C kernel + cascade over shared pages" if bf16 and cpu_kernels.uses_cascade() else "C kernel"
 
     def _describe_weights(self) -> str:

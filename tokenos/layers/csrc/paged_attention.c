@@ -534,12 +534,14 @@ static int num_splits(int n, int base_items, int threads) {
 #define MIN_SHARED 64
 static int cascade_enabled = 1;
 void paged_decode_set_cascade(int on) { cascade_enabled = on; }
+int paged_decode_cascade_on(void) { return cascade_enabled; }
 
-/* Groups as CSR (members[member0[j] .. member0[j + 1]), leader first) and each request's shared
- * token count (0: none); returns the number of groups. First pages are matched through a hash table
- * of 2n slots, so a step of n requests costs O(n) plus the pages compared. */
+/* Groups as CSR (members[member0[j] .. member0[j + 1]), leader first), each group's shared token
+ * count tokens[j], and each request's (shared[r], 0: none); returns the number of groups. First pages
+ * are matched through a hash table of 2n slots, so a step of n requests costs O(n) plus the pages
+ * compared. */
 static int find_shared(const int32_t *table, int max_blocks, const int32_t *seq_lens, int n, int block_size,
-                       int *shared, int *members, int *member0) {
+                       int *shared, int *members, int *member0, int *tokens) {
     int cap = 2;
     while (cap < 2 * n) cap *= 2;
     int *slots = (int *)malloc(sizeof(int) * (size_t)(cap + 3 * n));
@@ -582,6 +584,7 @@ static int find_shared(const int32_t *table, int max_blocks, const int32_t *seq_
             members[at++] = r;
             shared[r] = common * block_size;
         }
+        tokens[groups] = common * block_size;
         member0[++groups] = at;
     }
     free(slots);
@@ -593,13 +596,12 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
                                const int32_t *block_table, int max_blocks, int num_groups, const int *members,
                                const int *member0, const int *tokens, const int *slot, int num_heads,
                                int num_kv_heads, int d, float scale, float cap, float *pm, float *pl, float *po);
-int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size);
 #define CASCADE_BF16 1
 #else
 #define CASCADE_BF16 0
 #define shared_prefix_decode_bf16(...) abort()
-#define paged_prefill_supports(...) 0
 #endif
+int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size); /* prefill_attention.c, every build */
 
 #define DEFINE_DECODE(NAME, T, ITEM, WHOLE, CASCADE)                                              \
 void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,                   \
@@ -620,20 +622,20 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     const int base = num_reqs * per_split;                                                        \
     int *first = (int *)malloc(sizeof(int) * (size_t)(6 * num_reqs + 2));                         \
     /* shared[r]: tokens of request r attended with its group (see find_shared); the last of its  \
-     * splits is then the group's partial, and the others cover [shared[r], len). */              \
+     * splits, slot[r], is then the group's partial, and the others cover [shared[r], len). */    \
     int *shared = first + num_reqs + 1, *members = shared + num_reqs, *member0 = members + num_reqs; \
-    int *slot = member0 + num_reqs + 1;                                                           \
+    int *slot = member0 + num_reqs + 1, *tokens = slot + num_reqs;                                \
     const int groups = CASCADE && cascade_enabled && whole && window <= 0 && num_reqs > 1         \
                        && paged_prefill_supports(num_heads, num_kv_heads, d)                      \
-        ? find_shared(block_table, max_blocks, seq_lens, num_reqs, block_size, shared, members, member0) : 0; \
+        ? find_shared(block_table, max_blocks, seq_lens, num_reqs, block_size, shared, members, member0, tokens) \
+        : 0;                                                                                      \
+    if (!groups) memset(shared, 0, sizeof(int) * (size_t)num_reqs);                               \
     first[0] = 0;                                                                                 \
     for (int r = 0; r < num_reqs; r++) {                                                          \
         const int len = seq_lens[r];                                                              \
         const int n = (window > 0 && len > window) ? window : len;                                \
-        const int sh = groups ? shared[r] : 0;                                                    \
-        first[r + 1] = first[r] + num_splits(n - sh, base, threads) + (sh > 0);                   \
+        first[r + 1] = first[r] + num_splits(n - shared[r], base, threads) + (shared[r] > 0);     \
         slot[r] = first[r + 1] - 1;                                                               \
-        if (!groups) shared[r] = 0;                                                               \
     }                                                                                             \
     const int total_splits = first[num_reqs];                                                     \
     const int64_t items = (int64_t)total_splits * per_split;                                      \
@@ -674,12 +676,10 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
                  start, t0, t1, kh, g, d, row, v_offset, scale, cap, io, im, il);                 \
         if (nsplit == 1) normalize(io, im, il, sinks ? sinks + h0 : NULL, whole ? num_heads : g, d); \
     }                                                                                             \
-    if (groups) {                                                                                 \
-        for (int j = 0; j < groups; j++) slot[num_reqs + j] = shared[members[member0[j]]];        \
+    if (groups)                                                                                   \
         shared_prefix_decode_bf16(q, (const uint16_t *)cache, page_stride, block_size, block_table, max_blocks, \
-                                  groups, members, member0, slot + num_reqs, slot, num_heads,     \
-                                  num_kv_heads, d, scale, cap, pm, pl, po);                       \
-    }                                                                                             \
+                                  groups, members, member0, tokens, slot, num_heads, num_kv_heads, d, \
+                                  scale, cap, pm, pl, po);                                        \
     if (total_splits == num_reqs) { free(first); return; }                                        \
     /* Merge each request's splits: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s; a sink joins \
      * the denominator as e^(sink - M), M raised to it if it is larger. */                        \

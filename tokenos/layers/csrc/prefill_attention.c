@@ -101,9 +101,6 @@ static inline uint16_t kv_at(const void *row, int64_t i, const uint16_t *table) 
     return table ? table[((const uint8_t *)row)[i]] : ((const uint16_t *)row)[i];
 }
 
-/* Copy keys [k0, k1) of KV head kh (k0 a multiple of PF_KT) into the packed layouts, the last tile
- * padded with zeros: kp[tile][d / 2][PF_KT] pairs of dimensions, vp[tile][PF_KT / 2][d] pairs of
- * keys (uint32 = two bf16, the lower one first). Pages hold bf16 elements, or (table set) bytes. */
 /* 16 x 16 dwords: dst[j * ds + i] = src[i][j], by the usual four rounds of unpacks and lane shuffles. */
 static inline void transpose16(const uint32_t *const *src, uint32_t *restrict dst, int64_t ds) {
     __m512i a[16], b[16];
@@ -169,6 +166,9 @@ static void pack_kv_bf16(const uint16_t *cache, int64_t page_stride, int block_s
         }
 }
 
+/* Copy keys [k0, k1) of KV head kh (k0 a multiple of PF_KT) into the packed layouts, the last tile
+ * padded with zeros: kp[tile][d / 2][PF_KT] pairs of dimensions, vp[tile][PF_KT / 2][d] pairs of
+ * keys (uint32 = two bf16, the lower one first). Pages hold bf16 elements, or (table set) bytes. */
 static void pack_kv(const void *cache, const uint16_t *table, int64_t page_stride, int block_size, const int32_t *blocks,
                     int64_t row, int64_t v_offset, int kh, int d, int k0, int k1, int tile,
                     uint32_t *restrict kp, uint32_t *restrict vp) {
