@@ -476,6 +476,13 @@ static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
     }
 }
 
+/* The unit whose range [first[u], first[u + 1]) holds index i (units are few: a linear scan). */
+static inline int unit_of(const int64_t *first, int64_t i) {
+    int u = 0;
+    while (first[u + 1] <= i) u++;
+    return u;
+}
+
 /* Packed K/V of several key ranges ("units": a prefill chunk's visible keys, a decode group's shared
  * pages), each packed once per KV head; unit u reads blocks[u]'s pages over keys [k0[u], k1[u]). */
 typedef struct {
@@ -506,8 +513,7 @@ static void pack_units(packed_kv *pk, const void *cache, const uint16_t *table, 
     for (int64_t it = 0; it < pack_items; it++) {
         const int64_t gt = it / num_kv_heads; /* global tile index */
         const int kh = (int)(it % num_kv_heads);
-        int u = 0;
-        while (pk->tile0[u + 1] <= gt) u++;
+        const int u = unit_of(pk->tile0, gt);
         const int64_t base = packed_base(pk, u, kh);
         pack_kv(cache, table, page_stride, block_size, blocks[u], row, v_offset, kh, d, k0[u], k1[u],
                 (int)(gt - pk->tile0[u]), pk->kp + base, pk->vp + base);
@@ -574,8 +580,7 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t rev = 0; rev < items; rev++) {
             const int64_t it = items - 1 - rev;
-            int c = 0;
-            while (item0[c + 1] <= it) c++;
+            const int c = unit_of(item0, it);
             const int start = chunks[3 * c], qlen = chunks[3 * c + 1], ctx = chunks[3 * c + 2];
             const int64_t local = it - item0[c];
             const int kh = (int)(local % num_kv_heads), qt = (int)(local / num_kv_heads);
@@ -628,8 +633,7 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
         pf_scratch *w = scratch_begin(amx);
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t it = 0; it < items; it++) {
-            int j = 0;
-            while (item0[j + 1] <= it) j++;
+            const int j = unit_of(item0, it);
             const int64_t local = it - item0[j];
             const int kh = (int)(local % num_kv_heads), chunk = (int)(local / num_kv_heads);
             const int m0 = member0[j] + chunk * SP_MEMBERS;
