@@ -258,13 +258,14 @@ def test_a_multiplier_folded_at_load_scales_a_quantized_weight():
 @pytest.mark.parametrize(("n", "k"), [(40, 64), (100, 96), (576, 1536)])
 def test_amx_panel_path_matches_the_avx512_panel_path(bits, n, k):
     """Both multiply the same bf16-rounded dequantized panel in fp32, so they differ only by the order
-    of the fp32 sums; every row count past the few-row path, and rows read with a stride."""
+    of the fp32 sums; row counts past the few-row paths (AMX takes up to 16 rows exactly, below), and
+    rows read with a stride."""
     t = _random_tensor(n, k, bits, 32, True, seed=n + k)
     qw = QuantizedWeight(t)
     base = torch.randn(70, k + 32).bfloat16()
     allowed = cpu_kernels.uses_amx()
     try:
-        for m in (9, 16, 17, 32, 33, 70):
+        for m in (17, 32, 33, 70):
             x = base[:m, :k]
             cpu_kernels.set_amx(False)
             panel = qw(x, out_dtype=torch.float32)
@@ -273,5 +274,36 @@ def test_amx_panel_path_matches_the_avx512_panel_path(bits, n, k):
             scale = panel.abs().max().item()
             assert (amx - panel).abs().max().item() <= 1e-5 * k**0.5 * scale, m
             assert not torch.equal(amx[:, :1], torch.zeros_like(amx[:, :1]))
+    finally:
+        cpu_kernels.set_amx(allowed)
+
+
+@pytest.mark.skipif(not cpu_kernels.uses_amx(), reason="no AMX-BF16 (or the OS refused its tiles)")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize(("n", "k", "group"), [(40, 64, 32), (100, 192, 64), (576, 1536, 32), (48, 256, 128)])
+def test_amx_few_row_path_is_exact_as_the_avx512_few_row_path(bits, zeros, n, k, group):
+    """3 to 16 rows on AMX multiply the integer cells and apply each group's scale and zero to the tile
+    sums, as the AVX-512 few-row path does: no weight is rounded, so both sit within fp32 summation
+    error of a float64 reference (a bf16-rounded weight would be off by about 2^-9 of each product).
+    Odd block counts, rows with a stride, fp32 and bf16 outputs."""
+    t = _random_tensor(n, k, bits, group, zeros, seed=n * k + bits)
+    qw = QuantizedWeight(t)
+    weight = t.dequantize().double()
+    base = torch.randn(16, k + 32).bfloat16()
+    allowed = cpu_kernels.uses_amx()
+    try:
+        for m in (3, 4, 5, 8, 9, 13, 16):
+            x = base[:m, :k]
+            want = x.double() @ weight.T
+            bound = 1e-6 * k**0.5 * (x.double().abs() @ weight.abs().T).max().item()
+            cpu_kernels.set_amx(True)
+            amx = qw(x, out_dtype=torch.float32)
+            assert (amx.double() - want).abs().max().item() <= bound, m
+            assert torch.allclose(qw(x).float(), amx, rtol=2**-8, atol=0), m
+            if m <= 8:
+                cpu_kernels.set_amx(False)
+                avx512 = qw(x, out_dtype=torch.float32)
+                assert (avx512.double() - want).abs().max().item() <= bound, m
     finally:
         cpu_kernels.set_amx(allowed)

@@ -215,10 +215,10 @@ def qgemm_kernel(dtype: torch.dtype):
 
 
 def uses_amx() -> bool:
-    """Whether the kernels multiply on AMX tiles where they have a tile path (csrc/qlinear.c's AMX panel
-    path for bf16 quantized linears of more than 8 rows; csrc/prefill_attention.c's two products): an
-    AMX-BF16 CPU, a kernel built for it, the kernel allowed to use it by the OS, and not
-    ``TOKENOS_DISABLE_AMX=1``."""
+    """Whether the kernels multiply on AMX tiles where they have a tile path (csrc/qlinear.c's exact
+    few-row path, 3 to 16 rows, and panel path, more, for bf16 quantized linears;
+    csrc/prefill_attention.c's two products): an AMX-BF16 CPU, a kernel built for it, the kernel
+    allowed to use it by the OS, and not ``TOKENOS_DISABLE_AMX=1``."""
     lib = load()
     return bool(lib is not None and lib.kernels_amx_ready())
 

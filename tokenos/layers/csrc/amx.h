@@ -30,6 +30,20 @@ static inline void amx_configure(void) {
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
 }
+
+/* The few-row layout (qlinear.c's qgemv_amx): tiles 0-1 accumulate `rows` x 16 fp32, tile 4 holds
+ * `rows` activation rows of 32 bf16, tiles 6-7 hold B (16 pair rows of 64 bytes). Tiles of `rows`
+ * rows read and write only the rows that exist, so no padded copy of the activations is needed. */
+static inline void amx_configure_rows(int rows) {
+    amx_tilecfg cfg = {0};
+    cfg.palette = 1;
+    const int used[5] = {0, 1, 4, 6, 7};
+    for (int i = 0; i < 5; i++) {
+        int t = used[i];
+        cfg.rows[t] = t >= 6 ? 16 : rows, cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
 #else
 #define AMX_AVAILABLE 0
 #endif

@@ -20,7 +20,8 @@
  * bytes, and never rounded. More rows: a chunk of 128 column pairs of a 32-row tile is dequantized once
  * into an L1 panel of bf16 weights and every row runs over it in tiles of 6, accumulating in fp32; on
  * an AVX512-BF16 CPU this measures level with oneDNN's bf16 GEMM from M = 64 to 2048. On an AMX-BF16
- * CPU the same panel, over the whole of K, is multiplied on AMX tiles instead (qgemm_amx). The fp32 build
+ * CPU the same panel, over the whole of K, is multiplied on AMX tiles instead (qgemm_amx), and 3 to 16
+ * rows multiply the integer cells on tiles, exact as the few-row path (qgemv_amx). The fp32 build
  * (AVX2) always takes a panel path, in fp32.
  * Built where the compiler targets AVX2 + FMA + F16C (fp32) and AVX512-BF16 (bf16);
  * qlinear_available() says which.
@@ -467,12 +468,83 @@ static void qgemm_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs
     }
     free(pad);
 }
+
+/* Few rows (AMX_FEW_MIN to MV) on AMX, exact as the few-row path above: B tiles hold a group's integer
+ * cells (128 + v for int4, q for int8, both exact in bf16) and the scale and zero apply once per group
+ * to the tile sums, so nothing is rounded but fp32 sums. On a CPU with AMX, vdpbf16ps is the slow
+ * part of qgemv_bf16 past two rows (a 5-row speculative verify costs about 2.5x a 1-row decode there):
+ * one TDPBF16PS does a 32-column group's multiply-adds for all rows at once. */
+#define AMX_FEW_MIN 3
+#define AMX_FEW_MAX 16 /* one A tile */
+
+/* One 32-pair chunk (pairs p, p + 16) of block blk's integer cells as 16 B-tile rows at dst. */
+static inline void int_rows(const qweight *w, const uint8_t *cells, int64_t p, __m512i *dst) {
+    for (int j = 0; j < 16; j += 2) pair_ints(cells, p + j, w->bits, dst + j, dst + j + 1);
+}
+
+static void qgemv_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs, void *out, int64_t os,
+                      int out_f32) {
+    int64_t K = w->K, groups = K / w->group, ntiles = (w->N + 31) / 32, nblocks = (w->N + 15) / 16;
+    int64_t cb = cell_bytes(w->bits), gp = w->group / 2;
+    float offset = w->bits == 4 ? 128.0f : 0.0f;
+    float xsum[AMX_FEW_MAX * groups];
+    group_sums(w, x, M, xs, xsum);
+    _Pragma("omp parallel") {
+        int nt = 1, me = 0;
+#ifdef _OPENMP
+        nt = omp_get_num_threads();
+        me = omp_get_thread_num();
+#endif
+        int64_t t0 = ntiles * me / nt, t1 = ntiles * (me + 1) / nt;
+        __m512i b[2][16] __attribute__((aligned(64)));
+        float c[AMX_FEW_MAX * 32] __attribute__((aligned(64))), acc[AMX_FEW_MAX * 32] __attribute__((aligned(64)));
+        if (t0 < t1) amx_configure_rows((int)M);
+        for (int64_t t = t0; t < t1; t++) {
+            int two = 2 * t + 1 < nblocks;
+            const uint8_t *c0 = w->q + 2 * t * (K / 2) * cb, *c1 = two ? c0 + (K / 2) * cb : c0;
+            memset(acc, 0, sizeof(float) * 32 * M);
+            for (int64_t g = 0; g < groups; g++) {
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int64_t p = g * gp; p < (g + 1) * gp; p += 16) {
+                    int_rows(w, c0, p, b[0]);
+                    int_rows(w, c1, p, b[1]);
+                    _tile_loadd(4, x + 2 * p, xs * 2);
+                    _tile_loadd(6, b[0], 64);
+                    _tile_loadd(7, b[1], 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(1, 4, 7);
+                }
+                _tile_stored(0, c, 128);
+                _tile_stored(1, c + 16, 128);
+                for (int h = 0; h < 2; h++) {
+                    __m512 sc, zc;
+                    group_scale(w, 2 * t + h, g, offset, &sc, &zc);
+                    for (int64_t i = 0; i < M; i++) {
+                        __m512 a = _mm512_load_ps(acc + i * 32 + h * 16);
+                        a = _mm512_fmadd_ps(sc, _mm512_load_ps(c + i * 32 + h * 16), a);
+                        a = _mm512_fmadd_ps(zc, _mm512_set1_ps(xsum[i * groups + g]), a);
+                        _mm512_store_ps(acc + i * 32 + h * 16, a);
+                    }
+                }
+            }
+            store_rows(acc, M, 32 * t, w->N, out, os, out_f32);
+        }
+        if (t0 < t1) _tile_release();
+    }
+}
 #endif
 
 void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s,
                 const uint16_t *z, int bits, int group, int64_t N, int64_t K, void *out, int64_t os,
                 int out_f32) {
     qweight w = {q, s, z, bits, group, K, N};
+#if QL_AMX
+    if (M >= AMX_FEW_MIN && M <= AMX_FEW_MAX && group % 32 == 0 && kernels_amx_ready()) {
+        qgemv_amx(&w, x, M, xs, out, os, out_f32);
+        return;
+    }
+#endif
     if (M <= MV) {
         qgemv_bf16(&w, x, M, xs, out, os, out_f32);
         return;
