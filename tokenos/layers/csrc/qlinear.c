@@ -412,6 +412,17 @@ static inline void amx_stripe_rows(const uint16_t *a, int64_t as, const __m512i 
  * quarter of L2), and each 32-row block of activations runs over every stripe of the group before the
  * next block, so the activations are read from L2 once per group instead of from L3 once per stripe
  * (2048 rows of 576 are 2.4 MB). The buffer is the thread's own and kept between calls. */
+/* The calling thread's contiguous share of n stripes, as even as whole stripes allow (inside a
+ * parallel region). */
+static inline void thread_span(int64_t n, int64_t *t0, int64_t *t1) {
+    int nt = 1, me = 0;
+#ifdef _OPENMP
+    nt = omp_get_num_threads();
+    me = omp_get_thread_num();
+#endif
+    *t0 = n * me / nt, *t1 = n * (me + 1) / nt;
+}
+
 #define AMX_PANEL_BYTES (512 * 1024)
 static __thread __m512i *amx_panel;
 static __thread int64_t amx_panel_bytes;
@@ -437,13 +448,8 @@ static void qgemm_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs
         for (int64_t i = full; i < M; i++) memcpy(pad + (i - full) * K, x + i * xs, K * 2);
     }
     _Pragma("omp parallel") {
-        int nt = 1, me = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        me = omp_get_thread_num();
-#endif
-        /* Contiguous stripes per thread, as even as whole stripes allow. */
-        int64_t t0 = ntiles * me / nt, t1 = ntiles * (me + 1) / nt;
+        int64_t t0, t1;
+        thread_span(ntiles, &t0, &t1);
         int64_t most = t1 - t0 < group ? t1 - t0 : group;
         __m512i *panel = most > 0 ? panel_buffer(most * stripe) : NULL;
         float c[32 * 32] __attribute__((aligned(64)));
@@ -490,12 +496,8 @@ static void qgemv_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs
     float xsum[AMX_FEW_MAX * groups];
     group_sums(w, x, M, xs, xsum);
     _Pragma("omp parallel") {
-        int nt = 1, me = 0;
-#ifdef _OPENMP
-        nt = omp_get_num_threads();
-        me = omp_get_thread_num();
-#endif
-        int64_t t0 = ntiles * me / nt, t1 = ntiles * (me + 1) / nt;
+        int64_t t0, t1;
+        thread_span(ntiles, &t0, &t1);
         __m512i b[2][16] __attribute__((aligned(64)));
         float c[AMX_FEW_MAX * 32] __attribute__((aligned(64))), acc[AMX_FEW_MAX * 32] __attribute__((aligned(64)));
         if (t0 < t1) amx_configure_rows((int)M);
