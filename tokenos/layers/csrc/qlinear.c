@@ -408,10 +408,6 @@ static inline void amx_stripe_rows(const uint16_t *a, int64_t as, const __m512i 
     }
 }
 
-/* A thread's panels: its stripes go in groups whose dequantized panels fit in AMX_PANEL_BYTES (about a
- * quarter of L2), and each 32-row block of activations runs over every stripe of the group before the
- * next block, so the activations are read from L2 once per group instead of from L3 once per stripe
- * (2048 rows of 576 are 2.4 MB). The buffer is the thread's own and kept between calls. */
 /* The calling thread's contiguous share of n stripes, as even as whole stripes allow (inside a
  * parallel region). */
 static inline void thread_span(int64_t n, int64_t *t0, int64_t *t1) {
@@ -423,6 +419,10 @@ static inline void thread_span(int64_t n, int64_t *t0, int64_t *t1) {
     *t0 = n * me / nt, *t1 = n * (me + 1) / nt;
 }
 
+/* A thread's panels: its stripes go in groups whose dequantized panels fit in AMX_PANEL_BYTES (about a
+ * quarter of L2), and each 32-row block of activations runs over every stripe of the group before the
+ * next block, so the activations are read from L2 once per group instead of from L3 once per stripe
+ * (2048 rows of 576 are 2.4 MB). The buffer is the thread's own and kept between calls. */
 #define AMX_PANEL_BYTES (512 * 1024)
 static __thread __m512i *amx_panel;
 static __thread int64_t amx_panel_bytes;
@@ -475,15 +475,16 @@ static void qgemm_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs
     free(pad);
 }
 
-/* Few rows (AMX_FEW_MIN to MV) on AMX, exact as the few-row path above: B tiles hold a group's integer
- * cells (128 + v for int4, q for int8, both exact in bf16) and the scale and zero apply once per group
+/* Few rows (AMX_FEW_MIN to AMX_FEW_MAX) on AMX, exact as the few-row path above: B tiles hold a
+ * group's integer cells (128 + v for int4, q for int8, both exact in bf16) and the scale and zero apply once per group
  * to the tile sums, so nothing is rounded but fp32 sums. On a CPU with AMX, vdpbf16ps is the slow
  * part of qgemv_bf16 past two rows (a 5-row speculative verify costs about 2.5x a 1-row decode there):
  * one TDPBF16PS does a 32-column group's multiply-adds for all rows at once. */
 #define AMX_FEW_MIN 3
 #define AMX_FEW_MAX 16 /* one A tile */
 
-/* One 32-pair chunk (pairs p, p + 16) of block blk's integer cells as 16 B-tile rows at dst. */
+/* One 16-pair chunk (pairs p to p + 15, 32 columns) of a block's integer cells, as 16 B-tile rows
+ * at dst. */
 static inline void int_rows(const qweight *w, const uint8_t *cells, int64_t p, __m512i *dst) {
     for (int j = 0; j < 16; j += 2) pair_ints(cells, p + j, w->bits, dst + j, dst + j + 1);
 }
