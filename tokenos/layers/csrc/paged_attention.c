@@ -21,9 +21,10 @@
  * softmax step; gpt-oss's sinks (one logit per query head, no value) join each head's softmax sum once,
  * where it is normalized (after the split merge, so a sink counts once per request, not once per split).
  *
- * The inner loops over the head dimension are plain C written for the compiler's vectorizer: the
- * library is compiled on first use with -march=native (see tokenos/layers/cpu_kernels.py), so they
- * become AVX-512, AVX2 or SSE code for the CPU it runs on. */
+ * The library is compiled on first use with -march=native (see tokenos/layers/cpu_kernels.py). The
+ * whole-request item has AVX-512 tiles and an AVX2 + FMA form (item_avx2_*, below the AVX-512 ones);
+ * other shapes and CPUs take the generic item, plain C loops over the head dimension written for the
+ * compiler's vectorizer. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -134,6 +135,35 @@ DEFINE_ITEM(item_bf16, uint16_t, widen_bf16)
 DEFINE_ITEM(item_fp8, uint8_t, widen_fp8)
 DEFINE_ITEM(item_int8, int8_t, widen_int8)
 
+
+/* Ask for the K rows (v_bytes 0) or the V rows of positions [p0, min(p0 + TILE, p1)) ahead of their
+ * use: pages are scattered, so the hardware prefetcher loses the stream at every page edge. K and V
+ * are asked for in the phases that read them, so that memory is kept busy through both. */
+static inline void prefetch_rows(const char *cache, int64_t page_bytes, int block_size, const int32_t *blocks,
+                                 int p0, int p1, int64_t row_bytes, int64_t v_bytes) {
+    const int end = p0 + TILE < p1 ? p0 + TILE : p1;
+    /* Tokens of one page are consecutive rows: one run per page, one division per run. */
+    for (int pos = p0; pos < end;) {
+        const int off = pos % block_size;
+        const int count = end - pos < block_size - off ? end - pos : block_size - off;
+        const char *k = cache + (int64_t)blocks[pos / block_size] * page_bytes + (int64_t)off * row_bytes + v_bytes;
+        for (int64_t o = 0; o < (int64_t)count * row_bytes; o += 64) __builtin_prefetch(k + o, 0, 2) /* prefetcht1 */;
+        pos += count;
+    }
+}
+
+/* The K rows of positions [p0, p0 + n) (their V rows are v_offset further), walking the block table
+ * page by page rather than dividing per token. */
+#define GATHER_ROWS(T, rows, p0, n)                                                                \
+    for (int i = 0, pos = (p0); i < (n);) {                                                       \
+        const int off = pos % block_size;                                                         \
+        const T *page = cache + (int64_t)blocks[pos / block_size] * page_stride;                  \
+        for (int o = off; o < block_size && i < (n); o++, i++, pos++) rows[i] = page + (int64_t)o * row; \
+    }
+
+#define PREFETCH(T, p0, p1, v_bytes)                                                               \
+    prefetch_rows((const char *)cache, page_stride * (int64_t)sizeof(T), block_size, blocks, p0, p1, \
+                  row * (int64_t)sizeof(T), v_bytes)
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -398,35 +428,6 @@ static void unpermute_dp(float *o, int heads, int d) {
         memcpy(oh, tmp, sizeof(float) * (size_t)(d / 32 * 32));
     }
 }
-/* Ask for the K rows (v_bytes 0) or the V rows of positions [p0, min(p0 + TILE, p1)) ahead of their
- * use: pages are scattered, so the hardware prefetcher loses the stream at every page edge. K and V
- * are asked for in the phases that read them, so that memory is kept busy through both. */
-static inline void prefetch_rows(const char *cache, int64_t page_bytes, int block_size, const int32_t *blocks,
-                                 int p0, int p1, int64_t row_bytes, int64_t v_bytes) {
-    const int end = p0 + TILE < p1 ? p0 + TILE : p1;
-    /* Tokens of one page are consecutive rows: one run per page, one division per run. */
-    for (int pos = p0; pos < end;) {
-        const int off = pos % block_size;
-        const int count = end - pos < block_size - off ? end - pos : block_size - off;
-        const char *k = cache + (int64_t)blocks[pos / block_size] * page_bytes + (int64_t)off * row_bytes + v_bytes;
-        for (int64_t o = 0; o < (int64_t)count * row_bytes; o += 64) _mm_prefetch(k + o, _MM_HINT_T1);
-        pos += count;
-    }
-}
-
-/* The K rows of positions [p0, p0 + n) (their V rows are v_offset further), walking the block table
- * page by page rather than dividing per token. */
-#define GATHER_ROWS(T, rows, p0, n)                                                                \
-    for (int i = 0, pos = (p0); i < (n);) {                                                       \
-        const int off = pos % block_size;                                                         \
-        const T *page = cache + (int64_t)blocks[pos / block_size] * page_stride;                  \
-        for (int o = off; o < block_size && i < (n); o++, i++, pos++) rows[i] = page + (int64_t)o * row; \
-    }
-
-#define PREFETCH(T, p0, p1, v_bytes)                                                               \
-    prefetch_rows((const char *)cache, page_stride * (int64_t)sizeof(T), block_size, blocks, p0, p1, \
-                  row * (int64_t)sizeof(T), v_bytes)
-
 /* The item for the vector path, over ALL KV heads of one request (a tile's K and V rows are then
  * read as contiguous runs of memory), chunk by chunk (see SCORE_BUF). */
 /* Q_BF16: the score kernels take q as bf16 (the vdpbf16ps ones), else as float32; either way unscaled. */
@@ -491,11 +492,192 @@ DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, uint16_t, 0, 0)
 #endif
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+/* The whole-request item for AVX2 (8 lanes, 16 registers): the AVX-512 item's shape (chunks of up to
+ * MAX_CHUNK tokens: every score, one softmax step per head, then the V rows), with loops ordered for
+ * 16 registers. Scores take 4 tokens at a time for up to 3 query heads of a KV head, so each K vector
+ * is loaded once for the heads sharing it; V products take 16 dimensions (one 64-byte line of float32)
+ * of up to 4 heads over every token of the chunk, so each V line is read once per chunk. The chunk's
+ * V rows are prefetched into L2 while its scores are computed. Head sizes a multiple of 16, up to
+ * 16 * AVX2_MAX_DV. */
+#include <immintrin.h>
+
+#define AVX2_MAX_DV 16
+#define SCORE_BUF 16384
+#define MAX_CHUNK 256
+
+static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+/* As load16_fp8: the e4m3fn fields shifted into a float16 (2^-8 of the value), widened exactly. */
+static inline __m256 load8_fp8(const uint8_t *p) {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x7F)), 7),
+                                   _mm_slli_epi16(_mm_and_si128(x, _mm_set1_epi16(0x80)), 8));
+    return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.f));
+}
+static inline __m256 load8_int8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* The four sums of a0..a3's lanes, in order. */
+static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* Unscaled scores of tokens rows[0..n) (n <= 4) for GG query heads q[h * d ...] into s[h * ss + i]. */
+#define DEFINE_SCORES4(NAME, T, LOAD, GG)                                                          \
+static inline void NAME(const float *restrict q, int d, const T *const *rows, int n, int64_t k_off, \
+                        float *restrict s, int ss) {                                              \
+    __m256 acc[GG][4];                                                                            \
+    const T *k[4];                                                                                \
+    for (int t = 0; t < 4; t++) k[t] = rows[t < n ? t : 0] + k_off;                               \
+    for (int h = 0; h < GG; h++)                                                                  \
+        for (int t = 0; t < 4; t++) acc[h][t] = _mm256_setzero_ps();                              \
+    for (int j = 0; j < d; j += 8) {                                                              \
+        __m256 kv[4];                                                                             \
+        for (int t = 0; t < 4; t++) kv[t] = LOAD(k[t] + j);                                       \
+        for (int h = 0; h < GG; h++) {                                                            \
+            const __m256 qh = _mm256_loadu_ps(q + (int64_t)h * d + j);                            \
+            for (int t = 0; t < 4; t++) acc[h][t] = _mm256_fmadd_ps(qh, kv[t], acc[h][t]);        \
+        }                                                                                         \
+    }                                                                                             \
+    for (int h = 0; h < GG; h++) {                                                                \
+        float out[4];                                                                             \
+        _mm_storeu_ps(out, sum4x8(acc[h][0], acc[h][1], acc[h][2], acc[h][3]));                   \
+        for (int t = 0; t < n; t++) s[(int64_t)h * ss + t] = out[t];                              \
+    }                                                                                             \
+}
+
+/* o[h * d + 0..16) of GG heads plus sum_i p[h * ss + i] V_i over the chunk's n tokens (v: each token's
+ * 16 values of this head block). */
+#define DEFINE_PV16(NAME, T, LOAD, GG)                                                             \
+static inline void NAME(float *restrict o, int d, const T *const *rows, int n, int64_t v_off,     \
+                        const float *restrict p, int ss) {                                        \
+    __m256 acc[GG][2];                                                                            \
+    for (int h = 0; h < GG; h++) {                                                                \
+        acc[h][0] = _mm256_loadu_ps(o + (int64_t)h * d);                                          \
+        acc[h][1] = _mm256_loadu_ps(o + (int64_t)h * d + 8);                                      \
+    }                                                                                             \
+    for (int i = 0; i < n; i++) {                                                                 \
+        const T *v = rows[i] + v_off;                                                             \
+        const __m256 v0 = LOAD(v), v1 = LOAD(v + 8);                                              \
+        for (int h = 0; h < GG; h++) {                                                            \
+            const __m256 ph = _mm256_broadcast_ss(p + (int64_t)h * ss + i);                       \
+            acc[h][0] = _mm256_fmadd_ps(ph, v0, acc[h][0]);                                       \
+            acc[h][1] = _mm256_fmadd_ps(ph, v1, acc[h][1]);                                       \
+        }                                                                                         \
+    }                                                                                             \
+    for (int h = 0; h < GG; h++) {                                                                \
+        _mm256_storeu_ps(o + (int64_t)h * d, acc[h][0]);                                          \
+        _mm256_storeu_ps(o + (int64_t)h * d + 8, acc[h][1]);                                      \
+    }                                                                                             \
+}
+
+/* One online-softmax step per head over a chunk (as chunk_softmax in the AVX-512 build): the scaled,
+ * capped scores s[h * ss + 0..n) become probabilities against the new running max; earlier outputs
+ * and sums are rescaled to it. Plain loops: the compiler vectorizes them, and they run once per
+ * chunk. */
+static void chunk_softmax8(float *restrict s, int ss, int n, int heads, int d, float scale, float cap,
+                           float *restrict m, float *restrict l, float *restrict o) {
+    for (int h = 0; h < heads; h++) {
+        float *restrict sh = s + (int64_t)h * ss;
+        for (int i = 0; i < n; i++) sh[i] *= scale;
+        if (cap > 0.f) softcap_tile(sh, n, cap);
+        float mt = m[h];
+        for (int i = 0; i < n; i++) mt = sh[i] > mt ? sh[i] : mt;
+        const float alpha = m[h] == -INFINITY ? 0.f : expf(m[h] - mt); /* first chunk: outputs still 0 */
+        for (int j = 0; j < d; j++) o[(int64_t)h * d + j] *= alpha;
+        for (int i = 0; i < n; i++) sh[i] -= mt;
+        exp_tile(sh, n);
+        float sum = 0.f;
+        for (int i = 0; i < n; i++) sum += sh[i];
+        l[h] = l[h] * alpha + sum;
+        m[h] = mt;
+    }
+}
+
+#define DEFINE_ITEM_AVX2(NAME, T, LOAD)                                                           \
+DEFINE_SCORES4(NAME##_s1, T, LOAD, 1) DEFINE_SCORES4(NAME##_s2, T, LOAD, 2)                      \
+DEFINE_SCORES4(NAME##_s3, T, LOAD, 3)                                                             \
+DEFINE_PV16(NAME##_v1, T, LOAD, 1) DEFINE_PV16(NAME##_v2, T, LOAD, 2)                            \
+DEFINE_PV16(NAME##_v3, T, LOAD, 3) DEFINE_PV16(NAME##_v4, T, LOAD, 4)                            \
+static void NAME(const float *restrict q, const T *restrict cache, int64_t page_stride,          \
+                 int block_size, const int32_t *restrict blocks, int start, int t0, int t1,       \
+                 int num_kv_heads, int g, int d, int64_t row, int64_t v_offset, float scale,     \
+                 float cap, float *restrict o, float *restrict m, float *restrict l) {           \
+    const int heads = num_kv_heads * g;                                                           \
+    float os[MAX_ITEM_HEADS * 16 * AVX2_MAX_DV] __attribute__((aligned(64)));                     \
+    float s[SCORE_BUF] __attribute__((aligned(64)));                                              \
+    const T *rows[MAX_CHUNK];                                                                     \
+    memset(os, 0, sizeof(float) * (size_t)heads * d);                                             \
+    for (int h = 0; h < heads; h++) { m[h] = -INFINITY; l[h] = 0.f; }                             \
+    const int fit = SCORE_BUF / heads / TILE * TILE;                                              \
+    const int ss = fit < MAX_CHUNK ? fit : MAX_CHUNK;                                             \
+    const int64_t v_bytes = v_offset * (int64_t)sizeof(T);                                        \
+    for (int c0 = t0; c0 < t1; c0 += ss) {                                                        \
+        const int nc = t1 - c0 < ss ? t1 - c0 : ss;                                               \
+        GATHER_ROWS(T, rows, start + c0, nc)                                                      \
+        for (int tile = 0; tile < nc; tile += TILE) {                                             \
+            PREFETCH(T, start + c0 + tile + 2 * TILE, start + t1, 0);                             \
+            PREFETCH(T, start + c0 + tile, start + c0 + nc, v_bytes);                             \
+            for (int t = tile; t < nc && t < tile + TILE; t += 4) {                               \
+                const int n = nc - t < 4 ? nc - t : 4;                                            \
+                for (int kh = 0; kh < num_kv_heads; kh++)                                         \
+                    for (int h0 = 0; h0 < g; h0 += 3) {                                           \
+                        const int64_t h = (int64_t)kh * g + h0;                                   \
+                        const float *qh = q + h * d;                                              \
+                        float *sh = s + h * ss + t;                                               \
+                        switch (g - h0 < 3 ? g - h0 : 3) {                                        \
+                        case 3: NAME##_s3(qh, d, rows + t, n, (int64_t)kh * d, sh, ss); break;    \
+                        case 2: NAME##_s2(qh, d, rows + t, n, (int64_t)kh * d, sh, ss); break;    \
+                        default: NAME##_s1(qh, d, rows + t, n, (int64_t)kh * d, sh, ss); break;   \
+                        }                                                                         \
+                    }                                                                             \
+            }                                                                                     \
+        }                                                                                         \
+        chunk_softmax8(s, ss, nc, heads, d, scale, cap, m, l, os);                                \
+        for (int kh = 0; kh < num_kv_heads; kh++)                                                 \
+            for (int j = 0; j < d; j += 16)                                                       \
+                for (int h0 = 0; h0 < g; h0 += 4) {                                               \
+                    const int64_t h = (int64_t)kh * g + h0;                                       \
+                    float *oh = os + h * d + j;                                                   \
+                    const int64_t off = v_offset + (int64_t)kh * d + j;                           \
+                    switch (g - h0 < 4 ? g - h0 : 4) {                                            \
+                    case 4: NAME##_v4(oh, d, rows, nc, off, s + h * ss, ss); break;               \
+                    case 3: NAME##_v3(oh, d, rows, nc, off, s + h * ss, ss); break;               \
+                    case 2: NAME##_v2(oh, d, rows, nc, off, s + h * ss, ss); break;               \
+                    default: NAME##_v1(oh, d, rows, nc, off, s + h * ss, ss); break;              \
+                    }                                                                             \
+                }                                                                                 \
+    }                                                                                             \
+    memcpy(o, os, sizeof(float) * (size_t)heads * d);                                            \
+}
+
+DEFINE_ITEM_AVX2(item_avx2_f32, float, load8_f32)
+DEFINE_ITEM_AVX2(item_avx2_bf16, uint16_t, load8_bf16)
+DEFINE_ITEM_AVX2(item_avx2_fp8, uint8_t, load8_fp8)
+DEFINE_ITEM_AVX2(item_avx2_int8, int8_t, load8_int8)
+#define AVX2_ITEMS 1
+#else
+#define AVX2_ITEMS 0
+#endif
+
 #ifdef __AVX512F__
 static int whole_request_items(int group, int num_kv_heads, int d) {
     return d % 16 == 0 && d <= 16 * AVX_MAX_DV && group * num_kv_heads <= AVX_MAX_HEADS
            && scores_fn_float(group, d / 16) != 0;
 }
+#elif AVX2_ITEMS
+static int whole_request_items(int group, int num_kv_heads, int d) {
+    return d % 16 == 0 && d <= 16 * AVX2_MAX_DV && group * num_kv_heads <= MAX_ITEM_HEADS;
+}
+#define item_avx_f32 item_avx2_f32
+#define item_avx_bf16 item_avx2_bf16
+#define item_avx_fp8 item_avx2_fp8
+#define item_avx_int8 item_avx2_int8
 #else
 static int whole_request_items(int group, int num_kv_heads, int d) { (void)group; (void)num_kv_heads; (void)d; return 0; }
 #define item_avx_f32 item_f32
