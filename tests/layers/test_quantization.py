@@ -67,7 +67,8 @@ def test_kernel_matches_dequantized_reference(bits, zeros, n, k, group, dtype):
     t = _random_tensor(n, k, bits, group, zeros, seed=n + k + bits)
     qw = QuantizedWeight(t)
     weight = t.dequantize()
-    # 1..8 rows take the few-row path, more the panel path (6-row tiles and their remainders).
+    # Few rows (1..8 for bf16, 1..3 for float32) take the few-row path, more the panel path (tiles
+    # and their remainders).
     for m in (1, 2, 3, 5, 8, 9, 13, 70):
         x = torch.randn(m, k).to(dtype)
         want = F.linear(x.float(), weight)

@@ -22,7 +22,7 @@
  * an AVX512-BF16 CPU this measures level with oneDNN's bf16 GEMM from M = 64 to 2048. On an AMX-BF16
  * CPU the same panel, over the whole of K, is multiplied on AMX tiles instead (qgemm_amx), and 3 to 16
  * rows multiply the integer cells on tiles, exact as the few-row path (qgemv_amx). The fp32 build
- * (AVX2) always takes a panel path, in fp32.
+ * (AVX2) takes a panel path in fp32 past MV32 rows; fewer (qgemv_f32) go straight from the cells.
  * Built where the compiler targets AVX2 + FMA + F16C (fp32) and AVX512-BF16 (bf16);
  * qlinear_available() says which.
  */
@@ -675,9 +675,109 @@ static inline void finish_row(const float *acc, float *dst16) {
     _mm256_storeu_ps(dst16 + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(hi), 0xD8)));
 }
 
+/* Up to MV32 activation rows (decode steps) straight from the cells, as qgemv_bf16 does: per group,
+ * the integer weights (exact in fp32) times x, then the group's scale and zero once. The panel path's
+ * dequantize-store-reload costs as much as its multiply-adds at a few rows; here an int4 double cell's
+ * bytes are widened once for both of its pairs and every row. A pass covers JW of a block's four
+ * quarters (rows 4j..4j+3) so that MT * JW accumulators fit the 16 registers; one row keeps even and
+ * odd pairs in separate chains, for the FMA latency. On an AVX2 EPYC (Zen 2) this is 1.75x / 1.5x /
+ * 1.2x faster than the panel path at 1 / 2 / 3 rows (int4; int8 1.25x to 1.1x) and level from 4. */
+#define MV32 3
+static inline __attribute__((always_inline)) void gemv32_tile(int mt, int jw, const qweight32 *w, int64_t blk,
+                                                              const float *x, int64_t xs, const float *xsum,
+                                                              float *acc_out) {
+    int64_t groups = w->K / w->group, gp = w->group / 2, cb = cell_bytes(w->bits);
+    const uint8_t *cells = w->q + blk * (w->K / 2) * cb;
+    int split = mt == 1;
+    for (int j0 = 0; j0 < 4; j0 += jw) {
+        __m256 acc[MV32][4];
+        for (int i = 0; i < mt; i++)
+            for (int j = 0; j < jw; j++) acc[i][j] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m256 d[MV32][4], e[4];
+            for (int j = 0; j < jw; j++) {
+                e[j] = _mm256_setzero_ps();
+                for (int i = 0; i < mt; i++) d[i][j] = _mm256_setzero_ps();
+            }
+            int64_t p = g * gp, end = p + gp; /* int4: p even, gp even (the group holds whole double cells) */
+            for (; p + 1 < end; p += 2) {
+                for (int j = 0; j < jw; j++) {
+                    __m256 we, wo;
+                    if (w->bits == 4) {
+                        __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cells + (p >> 1) * 32 + 8 * (j0 + j))));
+                        we = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+                        wo = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+                    } else {
+                        we = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cells + p * 32 + 8 * (j0 + j)))));
+                        wo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cells + (p + 1) * 32 + 8 * (j0 + j)))));
+                    }
+                    for (int i = 0; i < mt; i++) {
+                        const double *xp = (const double *)(x + i * xs + 2 * p);
+                        d[i][j] = _mm256_fmadd_ps(we, _mm256_castpd_ps(_mm256_broadcast_sd(xp)), d[i][j]);
+                        if (split)
+                            e[j] = _mm256_fmadd_ps(wo, _mm256_castpd_ps(_mm256_broadcast_sd(xp + 1)), e[j]);
+                        else
+                            d[i][j] = _mm256_fmadd_ps(wo, _mm256_castpd_ps(_mm256_broadcast_sd(xp + 1)), d[i][j]);
+                    }
+                }
+            }
+            for (; p < end; p++) /* int8 groups of an odd number of pairs */
+                for (int j = 0; j < jw; j++) {
+                    __m256 we = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cells + p * 32 + 8 * (j0 + j)))));
+                    for (int i = 0; i < mt; i++)
+                        d[i][j] = _mm256_fmadd_ps(we, _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(x + i * xs + 2 * p))), d[i][j]);
+                }
+            __m256 sc[4], zc[4];
+            group256(w->s + (blk * groups + g) * 16, sc);
+            if (w->z) group256(w->z + (blk * groups + g) * 16, zc);
+            for (int i = 0; i < mt; i++) {
+                const __m256 xsg = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(xsum + (i * groups + g) * 2)));
+                for (int j = 0; j < jw; j++) {
+                    __m256 dot = split ? _mm256_add_ps(d[i][j], e[j]) : d[i][j];
+                    acc[i][j] = _mm256_fmadd_ps(sc[j0 + j], dot, acc[i][j]);
+                    if (w->z) acc[i][j] = _mm256_fmadd_ps(zc[j0 + j], xsg, acc[i][j]);
+                }
+            }
+        }
+        for (int i = 0; i < mt; i++)
+            for (int j = 0; j < jw; j++) _mm256_storeu_ps(acc_out + i * 32 + 8 * (j0 + j), acc[i][j]);
+    }
+}
+
+static void qgemv_f32(const qweight32 *w, const float *x, int64_t M, int64_t xs, float *out, int64_t os) {
+    int64_t groups = w->K / w->group, nblocks = (w->N + 15) / 16;
+    /* Per row and group: the sums of its even and odd columns, for the zeros. */
+    float *xsum = malloc(sizeof(float) * 2 * groups * M);
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t g = 0; g < groups; g++) {
+            float e = 0.f, o = 0.f;
+            for (int64_t k = g * w->group; k < (g + 1) * w->group; k += 2) e += x[i * xs + k], o += x[i * xs + k + 1];
+            xsum[(i * groups + g) * 2] = e, xsum[(i * groups + g) * 2 + 1] = o;
+        }
+    _Pragma("omp parallel for schedule(static)") for (int64_t blk = 0; blk < nblocks; blk++) {
+        float acc[MV32 * 32];
+        switch (M) {
+        case 3: gemv32_tile(3, 2, w, blk, x, xs, xsum, acc); break;
+        case 2: gemv32_tile(2, 4, w, blk, x, xs, xsum, acc); break;
+        default: gemv32_tile(1, 4, w, blk, x, xs, xsum, acc); break;
+        }
+        int64_t rows = w->N - 16 * blk < 16 ? w->N - 16 * blk : 16;
+        for (int64_t i = 0; i < M; i++) {
+            float row[16];
+            finish_row(acc + i * 32, row);
+            memcpy(out + i * os + 16 * blk, row, rows * sizeof(float));
+        }
+    }
+    free(xsum);
+}
+
 void qgemm_f32(const float *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s, const uint16_t *z,
                int bits, int group, int64_t N, int64_t K, float *out, int64_t os) {
     qweight32 w = {q, s, z, bits, group, K, N};
+    if (M <= MV32) {
+        qgemv_f32(&w, x, M, xs, out, os);
+        return;
+    }
     int64_t nblocks = (N + 15) / 16, pairs = K / 2;
     _Pragma("omp parallel") {
         __m256 panel[KCP32 * 4] __attribute__((aligned(64)));
