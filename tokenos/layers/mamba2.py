@@ -68,10 +68,9 @@ class Mamba2Dims:
     def from_config(cls, config: object) -> Mamba2Dims:
         """Read a transformers Mamba2 / Bamba / GraniteMoeHybrid / NemotronH config (mamba_* names first,
         since hybrid configs also carry attention's ``head_dim``)."""
+        # NemotronH too: an older transformers mixer clamped its dt at time_step_min instead, but
+        # transformers 5.25 (the parity reference CI installs) takes time_step_limit like Mamba2.
         limit = tuple(first_attr(config, "time_step_limit", default=(0.0, float("inf"))))
-        if getattr(config, "model_type", "") == "nemotron_h":
-            # transformers' NemotronH mixer ignores time_step_limit and clamps at time_step_min.
-            limit = (float(config.time_step_min), float("inf"))
         dims = cls(
             hidden_size=int(config.hidden_size),
             num_heads=int(first_attr(config, "mamba_n_heads", "mamba_num_heads", "num_heads")),
