@@ -38,6 +38,8 @@
 #define MAX_GROUP 16   /* query heads per KV head handled in one item */
 #define MAX_HEAD 512   /* head sizes above this take the caller's fallback */
 #define MAX_ITEM_HEADS 128 /* query heads one item may hold (>= MAX_GROUP) */
+#define SCORE_BUF 16384  /* floats of scores per chunk of the whole-request items */
+#define MAX_CHUNK 256    /* tokens per chunk of the whole-request items */
 
 static inline void widen_f32(const float *restrict src, float *restrict dst, int d) {
     memcpy(dst, src, sizeof(float) * (size_t)d);
@@ -74,6 +76,30 @@ static inline float dot(const float *restrict a, const float *restrict b, int d)
     return s;
 }
 
+/* One online-softmax step per head over n tokens, in plain loops the compiler vectorizes: the scores
+ * s[h * ss + 0..n), times scale and soft-capped (cap > 0), become probabilities against the head's new
+ * running max m[h]; its earlier outputs o[h * d ...] and sum l[h] are rescaled to it. */
+static void softmax_step(float *restrict s, int ss, int n, int heads, int d, float scale, float cap,
+                         float *restrict m, float *restrict l, float *restrict o) {
+    for (int h = 0; h < heads; h++) {
+        float *restrict sh = s + (int64_t)h * ss;
+        if (scale != 1.f)
+            for (int i = 0; i < n; i++) sh[i] *= scale;
+        if (cap > 0.f) softcap_tile(sh, n, cap);
+        float mt = m[h];
+        for (int i = 0; i < n; i++) mt = sh[i] > mt ? sh[i] : mt;
+        float alpha = m[h] - mt; /* -inf on the first step: the old sum and outputs are 0 */
+        exp_tile(&alpha, 1);
+        for (int j = 0; j < d; j++) o[(int64_t)h * d + j] *= alpha;
+        for (int i = 0; i < n; i++) sh[i] -= mt;
+        exp_tile(sh, n);
+        float sum = 0.f;
+        for (int i = 0; i < n; i++) sum += sh[i];
+        l[h] = l[h] * alpha + sum;
+        m[h] = mt;
+    }
+}
+
 /* Attend query heads [h0, h0 + g) of request r, which share KV head kh, over tokens [t0, t1) of
  * the request's visible range (positions start + t). Writes unnormalized outputs o[g][d] and the
  * running max m[g] and sum l[g] (the caller normalizes or merges splits). */
@@ -105,22 +131,10 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
         }                                                                                         \
         for (int h = 0; h < g; h++)                                                               \
             for (int i = 0; i < n; i++) s[h][i] = dot(qs[h], kv[i], d);                           \
-        if (cap > 0.f)                                                                            \
-            for (int h = 0; h < g; h++) softcap_tile(s[h], n, cap);                               \
         for (int i = 0; i < n; i++) WIDEN(rows[i] + v_offset, kv[i], d);                          \
+        softmax_step(s[0], TILE, n, g, d, 1.f, cap, m, l, o); /* q is scaled already */           \
         for (int h = 0; h < g; h++) {                                                             \
-            float mt = m[h];                                                                      \
-            for (int i = 0; i < n; i++) mt = s[h][i] > mt ? s[h][i] : mt;                         \
-            float alpha = m[h] - mt; /* -inf on the first tile: the old sum and outputs are 0 */ \
-            exp_tile(&alpha, 1);                                                                  \
-            for (int i = 0; i < n; i++) s[h][i] -= mt;                                            \
-            exp_tile(s[h], n);                                                                    \
-            float sum = 0.f;                                                                      \
-            for (int i = 0; i < n; i++) sum += s[h][i];                                           \
-            l[h] = l[h] * alpha + sum;                                                            \
-            m[h] = mt;                                                                            \
             float *restrict oh = o + (int64_t)h * d;                                              \
-            for (int j = 0; j < d; j++) oh[j] *= alpha;                                           \
             for (int i = 0; i < n; i++) {                                                         \
                 const float p = s[h][i];                                                          \
                 const float *restrict v = kv[i];                                                  \
@@ -195,9 +209,8 @@ static inline __m512 load16_int8(const int8_t *p) {
  * step per head, then the chunk's V rows tile by tile. A softmax per tile of 16 put a max-exp-sum
  * dependency chain and a rescale of the outputs between every tile's scores and its V products;
  * per chunk, those are paid once per 128-256 tokens and the score and V loops run without waiting.
- * The scores of a chunk are [heads][chunk] floats of SCORE_BUF, so the chunk shrinks as heads grow. */
-#define SCORE_BUF 16384
-#define MAX_CHUNK 256
+ * The scores of a chunk are [heads][chunk] floats of SCORE_BUF, so the chunk shrinks as heads grow
+ * (SCORE_BUF and MAX_CHUNK, defined with TILE, serve the AVX2 item too). */
 
 /* The scaled scores of one tile of up to 16 tokens for one KV head and its G query heads (head size
  * 16 * DV) into s[h * ss + i], -inf for i >= n so the softmax gives those tokens nothing. G and DV are
@@ -503,8 +516,6 @@ DEFINE_ITEM_AVX(item_avx_bf16, uint16_t, uint16_t, 0, 0)
 #include <immintrin.h>
 
 #define AVX2_MAX_DV 16
-#define SCORE_BUF 16384
-#define MAX_CHUNK 256
 
 static inline __m256 load8_f32(const float *p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8_bf16(const uint16_t *p) {
@@ -576,29 +587,6 @@ static inline void NAME(float *restrict o, int d, const T *const *rows, int n, i
     }                                                                                             \
 }
 
-/* One online-softmax step per head over a chunk (as chunk_softmax in the AVX-512 build): the scaled,
- * capped scores s[h * ss + 0..n) become probabilities against the new running max; earlier outputs
- * and sums are rescaled to it. Plain loops: the compiler vectorizes them, and they run once per
- * chunk. */
-static void chunk_softmax8(float *restrict s, int ss, int n, int heads, int d, float scale, float cap,
-                           float *restrict m, float *restrict l, float *restrict o) {
-    for (int h = 0; h < heads; h++) {
-        float *restrict sh = s + (int64_t)h * ss;
-        for (int i = 0; i < n; i++) sh[i] *= scale;
-        if (cap > 0.f) softcap_tile(sh, n, cap);
-        float mt = m[h];
-        for (int i = 0; i < n; i++) mt = sh[i] > mt ? sh[i] : mt;
-        const float alpha = m[h] == -INFINITY ? 0.f : expf(m[h] - mt); /* first chunk: outputs still 0 */
-        for (int j = 0; j < d; j++) o[(int64_t)h * d + j] *= alpha;
-        for (int i = 0; i < n; i++) sh[i] -= mt;
-        exp_tile(sh, n);
-        float sum = 0.f;
-        for (int i = 0; i < n; i++) sum += sh[i];
-        l[h] = l[h] * alpha + sum;
-        m[h] = mt;
-    }
-}
-
 #define DEFINE_ITEM_AVX2(NAME, T, LOAD)                                                           \
 DEFINE_SCORES4(NAME##_s1, T, LOAD, 1) DEFINE_SCORES4(NAME##_s2, T, LOAD, 2)                      \
 DEFINE_SCORES4(NAME##_s3, T, LOAD, 3)                                                             \
@@ -638,7 +626,7 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
                     }                                                                             \
             }                                                                                     \
         }                                                                                         \
-        chunk_softmax8(s, ss, nc, heads, d, scale, cap, m, l, os);                                \
+        softmax_step(s, ss, nc, heads, d, scale, cap, m, l, os);                                  \
         for (int kh = 0; kh < num_kv_heads; kh++)                                                 \
             for (int j = 0; j < d; j += 16)                                                       \
                 for (int h0 = 0; h0 < g; h0 += 4) {                                               \
