@@ -606,14 +606,21 @@ int kernels_amx_ready(void) { return 0; }
 
 /* One cell as four 8-lane fp32 vectors: rows 0-3, 4-7 (B halves), 8-11, 12-15 (A halves). */
 /* Pair p of a block as four 8-lane fp32 vectors: rows 0-3, 4-7 (B halves), 8-11, 12-15 (A halves). */
+/* Eight int8 weights (a quarter of an int8 cell: rows 4j..4j+3, both columns) as fp32, exactly. */
+static inline __m256 int8_quarter(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
 static inline void cell256(const uint8_t *cells, int64_t p, int bits, __m256 v[4]) {
     const uint8_t *cell = cell_at(cells, p, bits);
     __m128i shift = _mm_cvtsi32_si128(4 * (int)(p & 1));
     for (int j = 0; j < 4; j++) {
-        __m128i bytes = _mm_loadl_epi64((const __m128i *)(cell + 8 * j));
-        __m256i q = bits == 4 ? _mm256_and_si256(_mm256_srl_epi32(_mm256_cvtepu8_epi32(bytes), shift), _mm256_set1_epi32(15))
-                              : _mm256_cvtepi8_epi32(bytes);
-        v[j] = _mm256_cvtepi32_ps(q);
+        if (bits == 4) {
+            __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(cell + 8 * j)));
+            v[j] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srl_epi32(q, shift), _mm256_set1_epi32(15)));
+        } else {
+            v[j] = int8_quarter(cell + 8 * j);
+        }
     }
 }
 
@@ -675,6 +682,16 @@ static inline void finish_row(const float *acc, float *dst16) {
     _mm256_storeu_ps(dst16 + 8, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(hi), 0xD8)));
 }
 
+/* Block blk's outputs for M rows (each row's 32 accumulators at acc + 32 i) into out, rows past N left. */
+static inline void store_block(const float *acc, int64_t M, int64_t blk, int64_t N, float *out, int64_t os) {
+    int64_t rows = N - 16 * blk < 16 ? N - 16 * blk : 16;
+    for (int64_t i = 0; i < M; i++) {
+        float row[16];
+        finish_row(acc + i * 32, row);
+        memcpy(out + i * os + 16 * blk, row, rows * sizeof(float));
+    }
+}
+
 /* Up to MV32 activation rows (decode steps) straight from the cells, as qgemv_bf16 does: per group,
  * the integer weights (exact in fp32) times x, then the group's scale and zero once. The panel path's
  * dequantize-store-reload costs as much as its multiply-adds at a few rows; here an int4 double cell's
@@ -708,8 +725,8 @@ static inline __attribute__((always_inline)) void gemv32_tile(int mt, int jw, co
                         we = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
                         wo = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
                     } else {
-                        we = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cells + p * 32 + 8 * (j0 + j)))));
-                        wo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cells + (p + 1) * 32 + 8 * (j0 + j)))));
+                        we = int8_quarter(cells + p * 32 + 8 * (j0 + j));
+                        wo = int8_quarter(cells + (p + 1) * 32 + 8 * (j0 + j));
                     }
                     for (int i = 0; i < mt; i++) {
                         const double *xp = (const double *)(x + i * xs + 2 * p);
@@ -723,7 +740,7 @@ static inline __attribute__((always_inline)) void gemv32_tile(int mt, int jw, co
             }
             for (; p < end; p++) /* int8 groups of an odd number of pairs */
                 for (int j = 0; j < jw; j++) {
-                    __m256 we = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(cells + p * 32 + 8 * (j0 + j)))));
+                    __m256 we = int8_quarter(cells + p * 32 + 8 * (j0 + j));
                     for (int i = 0; i < mt; i++)
                         d[i][j] = _mm256_fmadd_ps(we, _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(x + i * xs + 2 * p))), d[i][j]);
                 }
@@ -761,12 +778,7 @@ static void qgemv_f32(const qweight32 *w, const float *x, int64_t M, int64_t xs,
         case 2: gemv32_tile(2, 4, w, blk, x, xs, xsum, acc); break;
         default: gemv32_tile(1, 4, w, blk, x, xs, xsum, acc); break;
         }
-        int64_t rows = w->N - 16 * blk < 16 ? w->N - 16 * blk : 16;
-        for (int64_t i = 0; i < M; i++) {
-            float row[16];
-            finish_row(acc + i * 32, row);
-            memcpy(out + i * os + 16 * blk, row, rows * sizeof(float));
-        }
+        store_block(acc, M, blk, w->N, out, os);
     }
     free(xsum);
 }
@@ -793,12 +805,7 @@ void qgemm_f32(const float *x, int64_t M, int64_t xs, const uint8_t *q, const ui
                         tile_f32(1, panel, p1 - p0, x + m0 * xs, xs, p0, acc + m0 * 32, p0 == 0);
                 }
             }
-            int64_t rows = N - 16 * blk < 16 ? N - 16 * blk : 16;
-            for (int64_t i = 0; i < M; i++) {
-                float row[16];
-                finish_row(acc + i * 32, row);
-                memcpy(out + i * os + 16 * blk, row, rows * sizeof(float));
-            }
+            store_block(acc, M, blk, N, out, os);
         }
         free(acc);
     }
