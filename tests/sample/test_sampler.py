@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tokenos.sample import Sampler, SamplingState, compute_prompt_logprobs
+from tokenos.sample import Sampler, SamplingState, compute_prompt_logprobs, ops
 from tokenos.sampling_params import SamplingParams
 
 VOCAB = 8
@@ -42,6 +42,18 @@ def test_greedy_is_argmax() -> None:
     state = make_state(*(SamplingParams(temperature=0.0) for _ in range(3)))
     assert state.make_metadata(3).all_greedy
     assert torch.equal(sample_once(state, logits), logits.argmax(dim=1))
+
+
+def test_greedy_ids_pick_the_first_maximum_as_argmax_does() -> None:
+    # Ties (coarse values, common in bf16 logits) and NaN are where a faster argmax could differ.
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(64, 512, generator=gen) * 2).round().to(dtype)
+        logits[:, :40] = logits.max()  # every row ties at its first 40 columns
+        logits[5, 3] = float("nan")
+        logits[9, 100:200] = float("-inf")
+        assert torch.equal(ops.greedy_ids(logits), logits.argmax(dim=1))
+        assert ops.greedy_ids(logits)[0] == 0
 
 
 def test_mixed_batch_greedy_rows_stay_argmax() -> None:

@@ -66,7 +66,7 @@ class RejectionSampler:
         dev = logits.device
         md = metadata
         processed = self.sampler.process_logits(logits.to(torch.float32, copy=True), md)
-        target = processed.argmax(dim=1) if not md.all_random else None
+        target = ops.greedy_ids(processed) if not md.all_random else None
         flat = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64).to(dev)  # -1: bonus
         if md.all_greedy:
             assert target is not None

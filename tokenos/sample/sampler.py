@@ -74,7 +74,7 @@ class Sampler:
 
     @staticmethod
     def sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        greedy = logits.argmax(dim=1) if not md.all_random else None
+        greedy = ops.greedy_ids(logits) if not md.all_random else None
         if md.all_greedy:
             assert greedy is not None
             return greedy
