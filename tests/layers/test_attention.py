@@ -308,3 +308,59 @@ def test_c_kernel_cascade_keeps_soft_cap_and_sinks(softcap, with_sinks):
         finally:
             cpu_kernels.set_cascade(True)
     torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=2e-3)
+
+
+def test_c_kernel_cascade_keeps_packed_prefixes_while_their_pages_keep_their_epochs():
+    """With page epochs, a decode group's packed prefix is kept between calls: a second call finds it
+    (and gives the same output), a page whose epoch moved is packed again from its new content, pages
+    rewritten without a new epoch are (by the contract) still served from the packed copy, and a new
+    pool's epochs never match an old pool's entries. Bounded: limit 0 keeps nothing."""
+    from tokenos.layers import cpu_kernels
+    from tokenos.worker.kv_cache import PageEpochs
+
+    if cpu_kernels.load() is None or not cpu_kernels.uses_cascade():
+        pytest.skip("cascade attention needs the AVX512-BF16 kernels")
+    rng = random.Random(5)
+    torch.manual_seed(5)
+    block_size, heads, kv_heads, d = 16, 9, 3, 64
+    lens, tables, pool = shared_tables([(12, [200, 250, 197, 300]), (8, [150, 160, 170])], block_size, rng)
+    cache = torch.randn(pool, 2, block_size, kv_heads, d).to(torch.bfloat16)
+    q = torch.randn(len(lens), heads, d)
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seq = torch.tensor(lens, dtype=torch.int32)
+    shared = sorted({b for t in tables for b in t if sum(b in u for u in tables) > 1})
+
+    def decode(epochs: PageEpochs | None) -> torch.Tensor:
+        pages = None if epochs is None else epochs.epochs
+        return cpu_kernels.paged_decode(q, cache, table, seq, d**-0.5, None, page_epochs=pages)
+
+    cpu_kernels.set_cascade_cache_limit(None)
+    cpu_kernels.clear_cascade_cache()
+    try:
+        epochs = PageEpochs(pool)
+        first = decode(epochs)
+        assert cpu_kernels.cascade_cache_stats()["misses"] == 2
+        torch.testing.assert_close(first, decode(None), atol=0, rtol=0)
+        assert torch.equal(decode(epochs), first)
+        assert cpu_kernels.cascade_cache_stats()["hits"] == 2
+        # New content in one shared page, its epoch moved: packed again, as a fresh kernel sees it.
+        cache[shared[0]] = torch.randn(2, block_size, kv_heads, d).to(torch.bfloat16)
+        epochs.bump([shared[0]])
+        moved = decode(epochs)
+        torch.testing.assert_close(moved, decode(None), atol=0, rtol=0)
+        assert not torch.equal(moved, first)
+        # Rewritten without a new epoch: the packed copy answers (what the epoch contract is for).
+        cache[shared[0]] = torch.randn(2, block_size, kv_heads, d).to(torch.bfloat16)
+        assert torch.equal(decode(epochs), moved)
+        # Another pool's epochs are fresh values: nothing of the old pool matches.
+        before = cpu_kernels.cascade_cache_stats()["misses"]
+        torch.testing.assert_close(decode(PageEpochs(pool)), decode(None), atol=0, rtol=0)
+        assert cpu_kernels.cascade_cache_stats()["misses"] == before + 2
+        cpu_kernels.set_cascade_cache_limit(0)
+        assert cpu_kernels.cascade_cache_stats()["entries"] == 0
+        decode(epochs)
+        assert cpu_kernels.cascade_cache_stats()["entries"] == 0
+    finally:
+        cpu_kernels.set_cascade_cache_limit(None)
+        cpu_kernels.clear_cascade_cache()

@@ -289,6 +289,7 @@ class Attention(CacheLayer):
                 v_scale,
                 self.logit_softcap,
                 self.sinks,
+                meta.page_epochs,
             )
             out[tokens] = o.to(q.dtype)
         for i, group in enumerate(meta.decode_groups if decode_batch is None else ()):

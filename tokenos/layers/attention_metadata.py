@@ -64,6 +64,9 @@ class AttentionMetadata:
     block_table: torch.Tensor  # int32 [num_reqs, max_blocks_per_req]
     slot_mapping: torch.Tensor  # int64 [num_tokens], block_id * block_size + offset
     prefills: list[PrefillChunk]  # requests with query_len > 1
+    # int64 [num_blocks] page versions (tokenos/worker/kv_cache.py PageEpochs), or None: lets cascade
+    # attention keep packed prefixes between steps.
+    page_epochs: torch.Tensor | None = None
     _cache: dict = field(default_factory=dict, repr=False)  # masks and row indices, built on first use
 
     @property
@@ -173,6 +176,7 @@ def make_attention_metadata(
     seq_lens: list[int],
     slot_mapping: torch.Tensor,
     block_size: int,
+    page_epochs: torch.Tensor | None = None,
 ) -> AttentionMetadata:
     """Precompute every per-step index from a block table, per-request lengths and slots."""
     num_reqs = len(query_lens)
@@ -190,6 +194,7 @@ def make_attention_metadata(
         block_table=block_table,
         slot_mapping=slot_mapping.long(),
         prefills=_prefill_chunks(block_table, query_lens, seq_lens, qsl, block_size),
+        page_epochs=page_epochs,
     )
 
 

@@ -44,7 +44,7 @@ _I = ctypes.c_int
 _I64 = ctypes.c_int64
 _F = ctypes.c_float
 _SIGNATURES = {
-    "paged_decode": [_P, _P, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _F, _P],
+    "paged_decode": [_P, _P, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _F, _P, _P],
     "rms_norm": [_P, _P, _P, _P, _P, _I64, _I, _F],
     "silu_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P, _I64, _I, _P, _I64, _I, _I, _I, _P, _P, _I64],
@@ -181,6 +181,12 @@ def load() -> ctypes.CDLL | None:
     lib.paged_decode_set_cascade.restype = None
     lib.paged_decode_cascade_on.argtypes = []
     lib.paged_decode_set_cascade(0 if os.environ.get("TOKENOS_DISABLE_CASCADE_ATTN") == "1" else 1)
+    lib.cascade_cache_stats.argtypes = [_P]
+    lib.cascade_cache_stats.restype = None
+    lib.cascade_cache_clear.argtypes = []
+    lib.cascade_cache_clear.restype = None
+    lib.cascade_cache_set_limit.argtypes = [_I64]
+    lib.cascade_cache_set_limit.restype = None
     for name, argtypes in _QLINEAR_SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
@@ -236,6 +242,31 @@ def set_cascade(on: bool) -> None:
     lib = load()
     if lib is not None:
         lib.paged_decode_set_cascade(int(on))
+
+
+def cascade_cache_stats() -> dict[str, int]:
+    """The packed-prefix cache of cascade attention (csrc/prefill_attention.c): entries, bytes, and
+    the groups that found their prefix packed (hits) or packed it (misses) since the last clear."""
+    lib = load()
+    out = (ctypes.c_int64 * 4)()
+    if lib is not None:
+        lib.cascade_cache_stats(out)
+    return dict(zip(("entries", "bytes", "hits", "misses"), out, strict=True))
+
+
+def clear_cascade_cache() -> None:
+    """Free every packed prefix (an engine's shutdown; tests)."""
+    lib = load()
+    if lib is not None:
+        lib.cascade_cache_clear()
+
+
+def set_cascade_cache_limit(mib: int | None) -> None:
+    """Bound the packed-prefix cache to ``mib`` MiB (0: keep nothing; None: ``TOKENOS_CASCADE_CACHE_MB``,
+    default 256), dropping entries past it now."""
+    lib = load()
+    if lib is not None:
+        lib.cascade_cache_set_limit(-1 if mib is None else mib << 20)
 
 
 def uses_cascade() -> bool:
@@ -324,13 +355,17 @@ def paged_decode(
     v_scale: float = 1.0,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    page_epochs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [n, H, D] float32; kv_cache [num_blocks, 2, bs, KVH, D] pages (float32, bf16, fp8 e4m3fn or int8);
     -> [n, H, D] float32. The cache holds K / k_scale and V / v_scale: scores are linear in K and
     outputs in V, so the scales fold into the softmax scale and one multiply of the output (the soft cap
     applies to the scaled score, so it is unaffected). ``softcap``: cap * tanh(score / cap) (None: off);
-    ``sinks`` [H]: a logit per query head joining its softmax sum with no value (None: none)."""
+    ``sinks`` [H]: a logit per query head joining its softmax sum with no value (None: none).
+    ``page_epochs``: int64 [num_blocks], see tokenos/worker/kv_cache.py `PageEpochs`; given, cascade attention keeps the packed
+    prefixes of decode groups between calls (None: packs them afresh every call)."""
     sinks = _sinks_arg(sinks, q.shape[1])
+    assert page_epochs is None or (page_epochs.dtype == torch.int64 and page_epochs.is_contiguous())
     lib = load()
     assert lib is not None
     n, num_heads, head_size = q.shape
@@ -359,6 +394,7 @@ def paged_decode(
         out.data_ptr(),
         softcap or 0.0,
         None if sinks is None else sinks.data_ptr(),
+        None if page_epochs is None else page_epochs.data_ptr(),
     )
     return out if v_scale == 1.0 else out.mul_(v_scale)
 

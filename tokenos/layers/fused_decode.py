@@ -69,7 +69,7 @@ class StepDesc(ctypes.Structure):
         *((name, _I32) for name in ("hidden", "heads", "kv_heads", "head_dim", "inter", "rotary_dim")),
         ("block_size", _I32),
         ("max_blocks", _I32),
-        *((name, _P) for name in ("block_table", "seq_lens", "slots", "cos", "sin")),
+        *((name, _P) for name in ("block_table", "seq_lens", "slots", "epochs", "cos", "sin")),
         *((name, _P) for name in _SCRATCH),
     ]
 
@@ -242,6 +242,7 @@ class FusedDecodePlan:
             block_table=table.data_ptr(),
             seq_lens=lens.data_ptr(),
             slots=slots.data_ptr(),
+            epochs=None if meta.page_epochs is None else meta.page_epochs.data_ptr(),
             cos=cos.data_ptr(),
             sin=sin.data_ptr(),
             **{name: t.data_ptr() for name, t in zip(_SCRATCH, scratch, strict=True)},

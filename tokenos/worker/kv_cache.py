@@ -10,6 +10,8 @@ layer's view can never land in a page another request owns.
 from __future__ import annotations
 
 import mmap
+import threading
+from collections.abc import Iterable
 
 import torch
 
@@ -96,3 +98,30 @@ def allocate_kv_caches(config: KVCacheConfig, layer_order: list[str]) -> list:
             else:
                 views[name] = attention_view(buf, num_blocks, page_size, spec)
     return [views[name] for name in layer_order]
+
+
+class PageEpochs:
+    """A version number per page of the pool, for caches of what a page holds (cascade attention keeps
+    decode groups' shared pages packed between steps, csrc/prefill_attention.c). A page's content
+    only changes after the scheduler hands the page to a request (a new block, a copy-on-write
+    target, a resumed request's pages), so the runner calls `bump` with every block id it is handed
+    and a page whose epoch is unchanged holds what it held. Values come from one counter for the
+    whole process, so a later engine's pool (perhaps at the same address) never repeats an epoch."""
+
+    _lock = threading.Lock()
+    _next = 0
+
+    def __init__(self, num_blocks: int) -> None:
+        self.epochs = torch.empty(num_blocks, dtype=torch.int64)
+        self.epochs.copy_(self._fresh(num_blocks))
+
+    @classmethod
+    def _fresh(cls, n: int) -> torch.Tensor:
+        with cls._lock:
+            start, cls._next = cls._next, cls._next + n
+        return torch.arange(start, start + n, dtype=torch.int64)
+
+    def bump(self, block_ids: Iterable[int]) -> None:
+        ids = torch.tensor(sorted(set(block_ids)), dtype=torch.int64)
+        if len(ids):
+            self.epochs[ids] = self._fresh(len(ids))

@@ -41,7 +41,7 @@ from tokenos.sample.rejection import RejectionSampler
 from tokenos.sample.sampler import Sampler, compute_prompt_logprobs
 from tokenos.worker.draft_model import DraftModel, drafter_specs
 from tokenos.worker.input_batch import InputBatch
-from tokenos.worker.kv_cache import allocate_kv_caches
+from tokenos.worker.kv_cache import PageEpochs, allocate_kv_caches
 from tokenos.worker.mtp import MtpDrafter
 from tokenos.worker.recurrent import (
     apply_prefix_page_copies,
@@ -181,6 +181,7 @@ class ModelRunner:
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         entries = list(self.get_kv_cache_spec())
         self.kv_caches = allocate_kv_caches(kv_cache_config, entries)
+        self.page_epochs = PageEpochs(kv_cache_config.num_blocks)
         groups = kv_cache_config.kv_cache_groups
         self.group_specs = [g.kv_cache_spec for g in groups]
         group_of = {name: g for g, grp in enumerate(groups) for name in grp.layer_names}
@@ -214,6 +215,7 @@ class ModelRunner:
         if self.adapter_of:
             for req_id in gone:
                 self._leave_adapter(req_id)
+        self._bump_page_epochs(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
             if new.adapter_id is not None:
                 self._join_adapter(new.req_id, str(new.adapter_id))
@@ -233,6 +235,14 @@ class ModelRunner:
             batch.update_request(
                 req_id, cached.num_computed_tokens[i], cached.removed_block_idx[i], cached.new_block_ids[i]
             )
+
+    def _bump_page_epochs(self, scheduler_output: SchedulerOutput) -> None:
+        """Every page handed to a request this step may be written: its packed copies go stale."""
+        handed = [b for new in scheduler_output.scheduled_new_reqs for ids in new.block_ids for b in ids]
+        for added in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            if added is not None:
+                handed.extend(b for ids in added for b in ids)
+        self.page_epochs.bump(handed)
 
     # ------------------------------------------------------------------ step
 
@@ -602,6 +612,7 @@ class ModelRunner:
             inputs.seq_lens.tolist(),
             torch.from_numpy(slot_mapping(block_table, inputs.rows, inputs.positions, block_size)),
             block_size,
+            self.page_epochs.epochs,
         )
 
     def _prompt_logprobs(

@@ -37,11 +37,11 @@ void rotary_bf16(bf16 *q, int64_t q_stride, int q_heads, bf16 *k, int64_t k_stri
 void paged_decode_f32(const float *q, const float *cache, int64_t page_stride, int block_size,
                       const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,
                       int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,
-                      float cap, const float *sinks);
+                      float cap, const float *sinks, const int64_t *epochs);
 void paged_decode_bf16(const float *q, const bf16 *cache, int64_t page_stride, int block_size,
                        const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,
                        int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,
-                       float cap, const float *sinks);
+                       float cap, const float *sinks, const int64_t *epochs);
 /* qlinear.c's entry points take its `qdesc`; only its address passes through here. */
 void qgemm_f32_desc(const void *w, const float *x, int64_t M, int64_t xs, float *out, int64_t os);
 void qgemm_bf16_desc(const void *w, const bf16 *x, int64_t M, int64_t xs, void *out, int64_t os, int out_f32);
@@ -64,6 +64,7 @@ typedef struct {
     const int32_t *block_table; /* [n, max_blocks] */
     const int32_t *seq_lens;    /* [n], this token included */
     const int64_t *slots;       /* [n] block * block_size + offset of this token */
+    const int64_t *epochs;      /* [num_blocks] page epochs for the packed-prefix cache, or NULL */
     const void *cos, *sin;      /* [n, rotary_dim / 2] in the dtype */
     void *h, *qkv, *attn, *gu, *act; /* [n, hidden], [n, qkv width], [n, heads * head_dim], [n, 2 inter], [n, inter] */
     float *qf, *of;                  /* float32 [n, heads * head_dim] */
@@ -112,7 +113,7 @@ void decode_layer_##SUFFIX(const layer_desc *L, const step_desc *S, T *x, T *res
     }                                                                                                    \
     paged_decode_##SUFFIX(S->qf, cache, L->page_stride, S->block_size, S->block_table, S->max_blocks,    \
                           S->seq_lens, (int)n, S->heads, S->kv_heads, (int)hd, L->scale, L->window,      \
-                          S->of, 0.0f, NULL);                                                            \
+                          S->of, 0.0f, NULL, S->epochs);                                                         \
     for (int64_t j = 0; j < n * q_width; j++) st_##SUFFIX(attn + j, S->of[j]);                           \
     qgemm_##SUFFIX##_call(L->o, attn, n, q_width, h, hidden);                                            \
     rms_norm_##SUFFIX(h, residual, (const T *)L->ln2, h, residual, n, (int)hidden, L->eps);              \

@@ -765,7 +765,8 @@ static int find_shared(const int32_t *table, int max_blocks, const int32_t *seq_
 void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t page_stride, int block_size,
                                const int32_t *block_table, int max_blocks, int num_groups, const int *members,
                                const int *member0, const int *tokens, const int *slot, int num_heads,
-                               int num_kv_heads, int d, float scale, float cap, float *pm, float *pl, float *po);
+                               int num_kv_heads, int d, float scale, float cap, float *pm, float *pl, float *po,
+                               const int64_t *epochs);
 #define CASCADE_BF16 1
 #else
 #define CASCADE_BF16 0
@@ -777,7 +778,7 @@ int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size); /* p
 void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,                   \
           const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,     \
           int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,   \
-          float cap, const float *sinks) {                                                        \
+          float cap, const float *sinks, const int64_t *epochs) {                                 \
     const int group = num_heads / num_kv_heads;                                                   \
     const int d = head_size;                                                                      \
     const int64_t row = (int64_t)num_kv_heads * head_size;                                        \
@@ -849,7 +850,7 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     if (groups)                                                                                   \
         shared_prefix_decode_bf16(q, (const uint16_t *)cache, page_stride, block_size, block_table, max_blocks, \
                                   groups, members, member0, tokens, slot, num_heads, num_kv_heads, d, \
-                                  scale, cap, pm, pl, po);                                        \
+                                  scale, cap, pm, pl, po, epochs);                                \
     if (total_splits == num_reqs) { free(first); return; }                                        \
     /* Merge each request's splits: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s; a sink joins \
      * the denominator as e^(sink - M), M raised to it if it is larger. */                        \

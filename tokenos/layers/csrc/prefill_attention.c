@@ -29,6 +29,7 @@
  * Built only where the compiler targets AVX512-BF16; paged_prefill_available() says whether it was,
  * and the caller keeps torch's SDPA (its reference) otherwise. */
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -484,46 +485,76 @@ static inline int unit_of(const int64_t *first, int64_t i) {
 }
 
 /* Packed K/V of several key ranges ("units": a prefill chunk's visible keys, a decode group's shared
- * pages), each packed once per KV head; unit u reads blocks[u]'s pages over keys [k0[u], k1[u]). */
+ * pages), each packed once per KV head; unit u reads blocks[u]'s pages over keys [k0[u], k1[u]). Each
+ * unit has its own pointers, so a decode group's units can come from the packed-prefix cache below. */
 typedef struct {
-    uint32_t *kp, *vp;
-    int64_t *tile0; /* unit u's tiles: [tile0[u], tile0[u + 1]) per KV head */
+    uint32_t **kp, **vp; /* unit u's K and V: [num_kv_heads][its tiles][tile_elems] uint32 each */
+    int64_t *tile0;      /* unit u's tiles: [tile0[u], tile0[u + 1]) per KV head */
     int64_t tile_elems;
     int num_kv_heads;
+    uint32_t *block; /* what packed_alloc allocated (NULL: nothing) */
 } packed_kv;
 
-/* Where unit u's tiles of KV head kh start in kp / vp. */
-static inline int64_t packed_base(const packed_kv *pk, int u, int kh) {
-    return (pk->tile0[u] * pk->num_kv_heads + (int64_t)kh * (pk->tile0[u + 1] - pk->tile0[u])) * pk->tile_elems;
-}
-
-static void pack_units(packed_kv *pk, const void *cache, const uint16_t *table, int64_t page_stride, int block_size,
-                       const int32_t *const *blocks, const int *k0, const int *k1, int units, int num_kv_heads,
-                       int64_t row, int64_t v_offset, int d) {
+static void packed_init(packed_kv *pk, int units, const int *k0, const int *k1, int num_kv_heads, int d) {
     pk->num_kv_heads = num_kv_heads;
     pk->tile_elems = (int64_t)PF_KT * d / 2; /* uint32 per packed tile of K (and of V) */
     pk->tile0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(units + 1));
     pk->tile0[0] = 0;
     for (int u = 0; u < units; u++) pk->tile0[u + 1] = pk->tile0[u] + (k1[u] - k0[u] + PF_KT - 1) / PF_KT;
-    const int64_t elems = pk->tile0[units] * num_kv_heads * pk->tile_elems;
-    pk->kp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)elems);
-    pk->vp = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)elems);
-    const int64_t pack_items = pk->tile0[units] * num_kv_heads;
+    pk->kp = (uint32_t **)calloc((size_t)(2 * units + 1), sizeof(uint32_t *));
+    pk->vp = pk->kp + units;
+    pk->block = NULL;
+}
+
+/* uint32 elements of unit u's packed K (as many again for its V). */
+static inline int64_t unit_elems(const packed_kv *pk, int u) {
+    return (pk->tile0[u + 1] - pk->tile0[u]) * pk->num_kv_heads * pk->tile_elems;
+}
+
+/* One allocation for units todo[0 .. n). */
+static void packed_alloc(packed_kv *pk, const int *todo, int n) {
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += 2 * unit_elems(pk, todo[i]);
+    pk->block = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(total > 0 ? total : 1));
+    int64_t at = 0;
+    for (int i = 0; i < n; i++) {
+        const int u = todo[i];
+        pk->kp[u] = pk->block + at;
+        pk->vp[u] = pk->kp[u] + unit_elems(pk, u);
+        at += 2 * unit_elems(pk, u);
+    }
+}
+
+/* Where KV head kh's tiles start in unit u's kp / vp. */
+static inline int64_t packed_base(const packed_kv *pk, int u, int kh) {
+    return (int64_t)kh * (pk->tile0[u + 1] - pk->tile0[u]) * pk->tile_elems;
+}
+
+/* Pack units todo[0 .. n) into their buffers, every (tile, KV head) of them one parallel item. */
+static void pack_units(const packed_kv *pk, const int *todo, int n, const void *cache, const uint16_t *table,
+                       int64_t page_stride, int block_size, const int32_t *const *blocks, const int *k0,
+                       const int *k1, int64_t row, int64_t v_offset, int d) {
+    const int num_kv_heads = pk->num_kv_heads;
+    int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1)); /* tiles before todo[i] */
+    first[0] = 0;
+    for (int i = 0; i < n; i++) first[i + 1] = first[i] + pk->tile0[todo[i] + 1] - pk->tile0[todo[i]];
+    const int64_t pack_items = first[n] * num_kv_heads;
     _Pragma("omp parallel for schedule(static)")
     for (int64_t it = 0; it < pack_items; it++) {
-        const int64_t gt = it / num_kv_heads; /* global tile index */
+        const int64_t gt = it / num_kv_heads;
         const int kh = (int)(it % num_kv_heads);
-        const int u = unit_of(pk->tile0, gt);
+        const int i = unit_of(first, gt), u = todo[i];
         const int64_t base = packed_base(pk, u, kh);
         pack_kv(cache, table, page_stride, block_size, blocks[u], row, v_offset, kh, d, k0[u], k1[u],
-                (int)(gt - pk->tile0[u]), pk->kp + base, pk->vp + base);
+                (int)(gt - first[i]), pk->kp[u] + base, pk->vp[u] + base);
     }
+    free(first);
 }
 
 static void packed_free(packed_kv *pk) {
     free(pk->tile0);
     free(pk->kp);
-    free(pk->vp);
+    free(pk->block);
 }
 
 /* A thread's scratch for the items of one parallel region, its AMX tiles configured where used. */
@@ -570,7 +601,12 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
         item0[c + 1] = item0[c] + (int64_t)num_kv_heads * ((qlen + PF_QT - 1) / PF_QT);
     }
     packed_kv pk;
-    pack_units(&pk, cache, table, page_stride, block_size, blocks, k0, k1, num_chunks, num_kv_heads, row, v_offset, d);
+    packed_init(&pk, num_chunks, k0, k1, num_kv_heads, d);
+    int *todo = (int *)malloc(sizeof(int) * (size_t)num_chunks);
+    for (int c = 0; c < num_chunks; c++) todo[c] = c;
+    packed_alloc(&pk, todo, num_chunks);
+    pack_units(&pk, todo, num_chunks, cache, table, page_stride, block_size, blocks, k0, k1, row, v_offset, d);
+    free(todo);
     const int64_t items = item0[num_chunks];
     const int amx = prefill_amx(d);
     _Pragma("omp parallel")
@@ -586,7 +622,7 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
             const int kh = (int)(local % num_kv_heads), qt = (int)(local / num_kv_heads);
             const int t0 = qt * PF_QT, t1 = t0 + PF_QT < qlen ? t0 + PF_QT : qlen;
             const int64_t base = packed_base(&pk, c, kh);
-            attend_item(q, q_stride, pk.kp + base, pk.vp + base, k0[c], ctx, start, t0, t1, kh, g, d, scale, window,
+            attend_item(q, q_stride, pk.kp[c] + base, pk.vp[c] + base, k0[c], ctx, start, t0, t1, kh, g, d, scale, window,
                         cap, sinks, out, out_stride, w, amx);
         }
         scratch_end(w, amx);
@@ -595,28 +631,144 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
     free(item0); free(blocks); free(k0);
 }
 
+/* Packed prefixes kept between decode steps. A group's shared pages are the same pages, unchanged,
+ * for as long as its members decode, and packing them was most of the cascade's cost (about 11 ms of
+ * a 44 ms batch-64 step of prefix-64 on an AMX Xeon). The caller passes epochs (int64 per page):
+ * epochs[b] takes a value never used before whenever page b may be rewritten (the worker does so when
+ * it hands b to a request), so an entry is reused only while each of its pages still has the epoch
+ * it was packed at, and an entry of a freed cache can never match a new one at the same address.
+ * Entries are bounded by TOKENOS_CASCADE_CACHE_MB (default 256; 0: off), least recently used out
+ * first, and dropped once unused for PREFIX_STALE_CALLS calls. One lock: calls come from one engine
+ * thread, but ctypes lets Python threads call in at once. */
+#define PREFIX_STALE_CALLS 4096
+typedef struct {
+    const void *cache;
+    int64_t page_stride;
+    int block_size, num_kv_heads, d, tokens, npages;
+    int32_t *pages;
+    int64_t *epochs;
+    uint32_t *kv; /* K then V, as unit_elems each */
+    int64_t bytes;
+    uint64_t used;
+} prefix_entry;
+
+static prefix_entry *pc_entries;
+static int pc_count, pc_cap;
+static int64_t pc_bytes, pc_limit = -1, pc_hits, pc_misses;
+static uint64_t pc_clock;
+static pthread_mutex_t pc_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int64_t prefix_limit(void) {
+    if (pc_limit < 0) {
+        const char *env = getenv("TOKENOS_CASCADE_CACHE_MB");
+        pc_limit = (env && *env ? atoll(env) : 256) << 20;
+    }
+    return pc_limit;
+}
+
+static int prefix_matches(const prefix_entry *e, const void *cache, int64_t page_stride, int block_size,
+                          int num_kv_heads, int d, int tokens, const int32_t *pages, const int64_t *epochs) {
+    if (e->cache != cache || e->tokens != tokens || e->page_stride != page_stride || e->block_size != block_size
+        || e->num_kv_heads != num_kv_heads || e->d != d)
+        return 0;
+    for (int i = 0; i < e->npages; i++)
+        if (e->pages[i] != pages[i] || e->epochs[i] != epochs[pages[i]]) return 0;
+    return 1;
+}
+
+static void prefix_drop(int i) {
+    free(pc_entries[i].kv);
+    free(pc_entries[i].epochs); /* pages live in the same allocation */
+    pc_bytes -= pc_entries[i].bytes;
+    pc_entries[i] = pc_entries[--pc_count];
+}
+
+/* Room for `bytes` more: stale entries go, then the least recently used ones not in use this call. */
+static int prefix_make_room(int64_t bytes) {
+    for (int i = pc_count - 1; i >= 0; i--)
+        if (pc_entries[i].used + PREFIX_STALE_CALLS < pc_clock) prefix_drop(i);
+    while (pc_bytes + bytes > prefix_limit()) {
+        int lru = -1;
+        for (int i = 0; i < pc_count; i++)
+            if (pc_entries[i].used < pc_clock && (lru < 0 || pc_entries[i].used < pc_entries[lru].used)) lru = i;
+        if (lru < 0) return 0;
+        prefix_drop(lru);
+    }
+    return 1;
+}
+
+/* Keep a freshly packed unit (kv, as packed_alloc laid it out for one unit); frees it if there is no room. */
+static void prefix_keep(const void *cache, int64_t page_stride, int block_size, int num_kv_heads, int d, int tokens,
+                        const int32_t *pages, const int64_t *epochs, uint32_t *kv, int64_t bytes) {
+    if (!prefix_make_room(bytes)) {
+        free(kv);
+        return;
+    }
+    if (pc_count == pc_cap) {
+        pc_cap = pc_cap ? 2 * pc_cap : 64;
+        pc_entries = (prefix_entry *)realloc(pc_entries, sizeof(prefix_entry) * (size_t)pc_cap);
+    }
+    const int npages = tokens / block_size;
+    prefix_entry *e = &pc_entries[pc_count++];
+    *e = (prefix_entry){cache, page_stride, block_size, num_kv_heads, d, tokens, npages, NULL, NULL, kv, bytes,
+                        pc_clock};
+    e->epochs = (int64_t *)malloc((sizeof(int64_t) + sizeof(int32_t)) * (size_t)(npages > 0 ? npages : 1));
+    e->pages = (int32_t *)(e->epochs + npages);
+    for (int i = 0; i < npages; i++) {
+        e->pages[i] = pages[i];
+        e->epochs[i] = epochs[pages[i]];
+    }
+    pc_bytes += bytes;
+}
+
+/* Entries, bytes, hits and misses so far; and a way to empty it (tests, engine shutdown). */
+void cascade_cache_stats(int64_t *out) {
+    pthread_mutex_lock(&pc_lock);
+    out[0] = pc_count, out[1] = pc_bytes, out[2] = pc_hits, out[3] = pc_misses;
+    pthread_mutex_unlock(&pc_lock);
+}
+
+void cascade_cache_clear(void) {
+    pthread_mutex_lock(&pc_lock);
+    while (pc_count) prefix_drop(pc_count - 1);
+    pc_hits = pc_misses = 0;
+    pthread_mutex_unlock(&pc_lock);
+}
+
+/* The bound in bytes (0: off; negative: TOKENOS_CASCADE_CACHE_MB again); entries past it go now. */
+void cascade_cache_set_limit(int64_t bytes) {
+    pthread_mutex_lock(&pc_lock);
+    pc_limit = bytes;
+    pc_clock++; /* nothing is in use between calls */
+    prefix_make_room(0);
+    pthread_mutex_unlock(&pc_lock);
+}
+
 /* Decodes sharing a cached prefix (cascade attention): csrc/paged_attention.c finds requests whose
  * block tables begin with the same pages and hands the common pages here, once per group. Their
- * keys and values are packed once per (group, KV head), and every member's query heads of that KV
- * head are rows of one item, as a prefill chunk's tokens are: each packed tile serves all of them,
- * on AMX tiles where present, where the decode kernel would read the prefix once per request. The
- * results are partials (unnormalized outputs, max, sum per query head) that the decode kernel
- * merges with its own over the rest of each request's tokens.
+ * keys and values are packed once per (group, KV head), or taken from the packed-prefix cache above
+ * (epochs given), and every member's query heads of that KV head are rows of one item, as a prefill
+ * chunk's tokens are: each packed tile serves all of them, on AMX tiles where present, where the
+ * decode kernel would read the prefix once per request. The results are partials (unnormalized
+ * outputs, max, sum per query head) that the decode kernel merges with its own over the rest of each
+ * request's tokens.
  *
  * Group j: members[member0[j] .. member0[j + 1]) (request indices, the first one's block table used),
  * over its first tokens[j] tokens (whole pages). q: float32 [requests, num_heads, d], rounded to
  * bf16 as the decode kernel rounds it; partial slot slot[r] of request r gets pm/pl [num_heads] and
- * po [num_heads, d] at slot * num_heads. */
+ * po [num_heads, d] at slot * num_heads. epochs: see above (NULL: pack every group afresh). */
 #define SP_MEMBERS (PF_MAX_ROWS / PF_MAX_G) /* members per item: 16, whatever the GQA group */
 void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t page_stride, int block_size,
                                const int32_t *block_table, int max_blocks, int num_groups, const int *members,
                                const int *member0, const int *tokens, const int *slot, int num_heads,
-                               int num_kv_heads, int d, float scale, float cap, float *pm, float *pl, float *po) {
+                               int num_kv_heads, int d, float scale, float cap, float *pm, float *pl, float *po,
+                               const int64_t *epochs) {
     const int g = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * d, v_offset = (int64_t)block_size * row;
     int64_t *item0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_groups + 1));
     const int32_t **blocks = (const int32_t **)malloc(sizeof(*blocks) * (size_t)num_groups);
     int *k0 = (int *)calloc((size_t)num_groups, sizeof(int)); /* every group's keys from 0 */
+    int *todo = (int *)malloc(sizeof(int) * (size_t)num_groups), ntodo = 0;
     item0[0] = 0;
     for (int j = 0; j < num_groups; j++) {
         blocks[j] = block_table + (int64_t)members[member0[j]] * max_blocks;
@@ -624,8 +776,42 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
         item0[j + 1] = item0[j] + (int64_t)num_kv_heads * ((count + SP_MEMBERS - 1) / SP_MEMBERS);
     }
     packed_kv pk;
-    pack_units(&pk, cache, NULL, page_stride, block_size, blocks, k0, tokens, num_groups, num_kv_heads, row, v_offset,
-               d);
+    packed_init(&pk, num_groups, k0, tokens, num_kv_heads, d);
+    int keep = 0;
+    if (epochs) {
+        pthread_mutex_lock(&pc_lock);
+        keep = prefix_limit() > 0;
+        if (keep)
+            pc_clock++;
+        else
+            pthread_mutex_unlock(&pc_lock);
+    }
+    for (int j = 0; j < num_groups; j++) {
+        prefix_entry *hit = NULL;
+        for (int i = 0; keep && i < pc_count && !hit; i++)
+            if (prefix_matches(&pc_entries[i], cache, page_stride, block_size, num_kv_heads, d, tokens[j], blocks[j],
+                               epochs))
+                hit = &pc_entries[i];
+        if (hit) {
+            hit->used = pc_clock;
+            pk.kp[j] = hit->kv;
+            pk.vp[j] = hit->kv + unit_elems(&pk, j);
+            pc_hits++;
+        } else {
+            todo[ntodo++] = j;
+            pc_misses += keep;
+        }
+    }
+    if (keep) { /* each unit its own buffer, so the cache can adopt it */
+        for (int i = 0; i < ntodo; i++) {
+            const int j = todo[i];
+            pk.kp[j] = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(2 * unit_elems(&pk, j)));
+            pk.vp[j] = pk.kp[j] + unit_elems(&pk, j);
+        }
+    } else {
+        packed_alloc(&pk, todo, ntodo);
+    }
+    pack_units(&pk, todo, ntodo, cache, NULL, page_stride, block_size, blocks, k0, tokens, row, v_offset, d);
     const int64_t items = item0[num_groups];
     const int amx = prefill_amx(d);
     _Pragma("omp parallel")
@@ -654,8 +840,8 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
                 w->l[r] = 0.f;
             }
             const int64_t base = packed_base(&pk, j, kh);
-            attend_rows(pk.kp + base, pk.vp + base, 0, 0, (int)(pk.tile0[j + 1] - pk.tile0[j]), rows, d, scale, 0, cap,
-                        w, amx);
+            attend_rows(pk.kp[j] + base, pk.vp[j] + base, 0, 0, (int)(pk.tile0[j + 1] - pk.tile0[j]), rows, d, scale,
+                        0, cap, w, amx);
             for (int r = 0; r < live; r++) {
                 const int64_t at = (int64_t)slot[members[m0 + r / g]] * num_heads + kh * g + r % g;
                 pm[at] = w->m[r];
@@ -665,8 +851,16 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
         }
         scratch_end(w, amx);
     }
+    if (keep) {
+        for (int i = 0; i < ntodo; i++) {
+            const int j = todo[i];
+            prefix_keep(cache, page_stride, block_size, num_kv_heads, d, tokens[j], blocks[j], epochs, pk.kp[j],
+                        (int64_t)sizeof(uint32_t) * 2 * unit_elems(&pk, j));
+        }
+        pthread_mutex_unlock(&pc_lock);
+    }
     packed_free(&pk);
-    free(item0); free(blocks); free(k0);
+    free(item0); free(blocks); free(k0); free(todo);
 }
 
 #else
@@ -685,5 +879,8 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
     (void)head_size; (void)scale; (void)window; (void)out; (void)out_stride;
     abort(); /* the caller checks paged_prefill_available() first */
 }
+void cascade_cache_stats(int64_t *out) { out[0] = out[1] = out[2] = out[3] = 0; }
+void cascade_cache_clear(void) {}
+void cascade_cache_set_limit(int64_t bytes) { (void)bytes; }
 
 #endif
