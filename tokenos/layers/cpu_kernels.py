@@ -362,8 +362,8 @@ def paged_decode(
     outputs in V, so the scales fold into the softmax scale and one multiply of the output (the soft cap
     applies to the scaled score, so it is unaffected). ``softcap``: cap * tanh(score / cap) (None: off);
     ``sinks`` [H]: a logit per query head joining its softmax sum with no value (None: none).
-    ``page_epochs``: int64 [num_blocks], see tokenos/worker/kv_cache.py `PageEpochs`; given, cascade attention keeps the packed
-    prefixes of decode groups between calls (None: packs them afresh every call)."""
+    ``page_epochs``: int64 [num_blocks], see tokenos/worker/kv_cache.py `PageEpochs`; given, cascade
+    attention keeps the packed prefixes of decode groups between calls (None: packs them every call)."""
     sinks = _sinks_arg(sinks, q.shape[1])
     assert page_epochs is None or (page_epochs.dtype == torch.int64 and page_epochs.is_contiguous())
     lib = load()

@@ -43,6 +43,8 @@
 
 #define PF_QT 16       /* query tokens per item */
 #define PF_KT 32       /* keys per tile: two vectors of 16 scores per row */
+#define PF_BT 4        /* tiles per softmax block on the AMX path */
+#define PF_BS (PF_BT * PF_KT)
 #define PF_MAX_D 256   /* head sizes: multiples of 16 up to this (see pv_for) */
 #define PF_MAX_G 16    /* query heads per KV head */
 #define PF_RS 8        /* rows per register block of the score kernel */
@@ -341,49 +343,124 @@ static tile_pv_fn pv_for(int d) {
 }
 
 #if AMX_AVAILABLE
-/* The two products on AMX tiles (TDPBF16PS: bf16 pairs, products exact in float32, float32 sums),
- * from the same packed layouts: a packed K tile, [d / 2][PF_KT] pairs, is a B operand as it lies (16
- * pairs of dimensions by 16 keys per tile, rows PF_KT * 4 bytes apart), as a packed V tile,
- * [PF_KT / 2][d] pairs of keys, is for P V; q rows and bf16 p rows are A operands. Rows go in blocks
- * of 16 (the caller pads with zero queries), head sizes in multiples of 32. Tiles: 0, 1 accumulate,
- * 2 holds A, 3, 4 hold B. */
-static void tile_scores_amx(const uint32_t *restrict qb, const uint32_t *restrict kt, int rows, int d,
-                            float scale, float *restrict s) {
-    for (int r0 = 0; r0 < rows; r0 += 16) {
-        _tile_zero(0);
-        _tile_zero(1);
-        for (int j0 = 0; j0 < d / 2; j0 += 16) {
-            _tile_loadd(2, qb + (int64_t)r0 * (d / 2) + j0, d * 2);
-            _tile_loadd(3, kt + (int64_t)j0 * PF_KT, PF_KT * 4);
-            _tile_loadd(4, kt + (int64_t)j0 * PF_KT + 16, PF_KT * 4);
-            _tile_dpbf16ps(0, 2, 3);
-            _tile_dpbf16ps(1, 2, 4);
-        }
-        _tile_stored(0, s + (int64_t)r0 * PF_KT, PF_KT * 4);
-        _tile_stored(1, s + (int64_t)r0 * PF_KT + 16, PF_KT * 4);
-    }
-    const __m512 sc = _mm512_set1_ps(scale); /* scaled after the sum, as tile_scores does */
-    for (int64_t i = 0; i < (int64_t)rows * PF_KT; i += 16) _mm512_storeu_ps(s + i, _mm512_mul_ps(_mm512_loadu_ps(s + i), sc));
+/* The AMX path takes the keys PF_BT tiles (128 keys) at a time: the two products on AMX tiles
+ * (TDPBF16PS: bf16 pairs, products exact in float32, float32 sums) from the same packed layouts, and
+ * one online-softmax step per block instead of per tile. A packed K tile, [d / 2][PF_KT] pairs, is a
+ * B operand as it lies (16 pairs of dimensions by 16 keys per tile, rows PF_KT * 4 bytes apart), as a
+ * packed V tile, [PF_KT / 2][d] pairs of keys, is for P V; q rows and bf16 p rows are A operands, and
+ * the P V accumulators stay in tiles over the block's keys. Per tile, the vector work around the
+ * tiles (maxima and sums through max16 / sum16, rescaling the outputs, storing and reloading P V) cost
+ * several times the tile products; per block it is a quarter of that. Rows go in blocks of 16 (the
+ * caller pads with zero queries), head sizes in multiples of 32. Tiles: 0, 1 accumulate, 2 holds A,
+ * 3, 4 hold B. */
+
+/* Lanes [16 * v, 16 * v + 16) of the keys [lo, hi] of a block. */
+static inline __mmask16 span16(int lo, int hi, int base) {
+    int a = lo - base, b = hi - base;
+    if (a < 0) a = 0;
+    if (b > 15) b = 15;
+    return b < a ? (__mmask16)0 : (__mmask16)((2u << b) - (1u << a));
 }
 
-/* o[r] = alpha[r] * o[r] + p[r] V: the tile's products into zeroed accumulators, stored to pv, then
- * folded into the outputs by the vector unit (loading accumulators from outputs the vector unit had
- * just rescaled made every tile wait on those stores). */
-static void tile_pv_amx(const uint32_t *restrict p, const uint32_t *restrict vt, const float *restrict alpha,
-                        int rows, int d, float *restrict o, float *restrict pv) {
+/* s[r][t * PF_KT ..] = q_r . k over the block's nt tiles, unscaled (row stride PF_BS floats). */
+static void block_scores_amx(const uint32_t *restrict qb, const uint32_t *restrict kp, int nt, int rows, int d,
+                             float *restrict s) {
+    for (int r0 = 0; r0 < rows; r0 += 16)
+        for (int t = 0; t < nt; t++) {
+            const uint32_t *kt = kp + (int64_t)t * (d / 2) * PF_KT;
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int j0 = 0; j0 < d / 2; j0 += 16) {
+                _tile_loadd(2, qb + (int64_t)r0 * (d / 2) + j0, d * 2);
+                _tile_loadd(3, kt + (int64_t)j0 * PF_KT, PF_KT * 4);
+                _tile_loadd(4, kt + (int64_t)j0 * PF_KT + 16, PF_KT * 4);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_dpbf16ps(1, 2, 4);
+            }
+            _tile_stored(0, s + (int64_t)r0 * PF_BS + t * PF_KT, PF_BS * 4);
+            _tile_stored(1, s + (int64_t)r0 * PF_BS + t * PF_KT + 16, PF_BS * 4);
+        }
+}
+
+/* tile_softmax over a block of nkeys (a multiple of PF_KT) keys from kpos0: the scores are scaled (and
+ * soft-capped) here, masked in place to -inf, then exponentiated against the block's new maxima. */
+static void block_softmax(float *restrict s, const int *restrict row_pos, int rows, int kpos0, int nkeys,
+                          int window, float scale, float cap, float *restrict m, float *restrict l,
+                          float *restrict alpha, uint32_t *restrict p) {
+    const __m512 neg = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+    const __m512 capv = _mm512_set1_ps(cap), inv_cap = _mm512_set1_ps(cap > 0.f ? 1.f / cap : 0.f);
     for (int r0 = 0; r0 < rows; r0 += 16) {
-        _tile_loadd(2, p + (int64_t)r0 * (PF_KT / 2), PF_KT * 2);
+        const int nr = rows - r0 < 16 ? rows - r0 : 16;
+        const __mmask16 lanes = (__mmask16)((1u << nr) - 1);
+        __m512 mx[16], sums[16];
+        __mmask16 live = 0;
+        for (int i = 0; i < 16; i++) {
+            mx[i] = neg;
+            if (i >= nr) continue;
+            const int pos = row_pos[r0 + i];
+            int lo = window > 0 ? pos - window + 1 - kpos0 : 0, hi = pos - kpos0;
+            if (lo < 0) lo = 0;
+            if (hi > nkeys - 1) hi = nkeys - 1;
+            if (pos < 0 || hi < lo) continue;
+            live |= (__mmask16)(1u << i);
+            float *sr = s + (int64_t)(r0 + i) * PF_BS;
+            for (int v = 0; v < nkeys; v += 16) {
+                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + v), sc);
+                if (cap > 0.f) x = softcap16(x, capv, inv_cap);
+                x = _mm512_mask_mov_ps(neg, span16(lo, hi, v), x);
+                _mm512_storeu_ps(sr + v, x);
+                mx[i] = _mm512_max_ps(mx[i], x);
+            }
+        }
+        const __m512 m_old = _mm512_maskz_loadu_ps(lanes, m + r0);
+        const __m512 m_new = _mm512_mask_max_ps(m_old, live, m_old, max16(mx));
+        /* exp(-inf) = 0 for a row's first visible block; rows seeing nothing keep everything (alpha 1). */
+        const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), live, exp16(_mm512_sub_ps(m_old, m_new)));
+        float mn[16] __attribute__((aligned(64)));
+        _mm512_store_ps(mn, m_new);
+        for (int i = 0; i < 16; i++) {
+            sums[i] = _mm512_setzero_ps();
+            if (i >= nr) continue;
+            uint32_t *pr = p + (int64_t)(r0 + i) * (PF_BS / 2);
+            if (!((live >> i) & 1)) {
+                memset(pr, 0, sizeof(uint32_t) * (size_t)(nkeys / 2));
+                continue;
+            }
+            const __m512 mv = _mm512_set1_ps(mn[i]);
+            const float *sr = s + (int64_t)(r0 + i) * PF_BS;
+            for (int v = 0; v < nkeys; v += 32) { /* masked keys are -inf: exp16 gives 0 */
+                const __m512 e0 = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + v), mv));
+                const __m512 e1 = exp16(_mm512_sub_ps(_mm512_loadu_ps(sr + v + 16), mv));
+                sums[i] = _mm512_add_ps(sums[i], _mm512_add_ps(e0, e1));
+                _mm512_storeu_si512(pr + v / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            }
+        }
+        const __m512 l_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, l + r0), a, sum16(sums));
+        _mm512_mask_storeu_ps(m + r0, lanes, m_new);
+        _mm512_mask_storeu_ps(l + r0, lanes, l_new);
+        _mm512_mask_storeu_ps(alpha + r0, lanes, a);
+    }
+}
+
+/* o[r] = alpha[r] * o[r] + p[r] V over the block's nt value tiles: the products accumulate in tiles
+ * over the block, are stored to pv once and folded into the outputs by the vector unit. */
+static void block_pv_amx(const uint32_t *restrict p, const uint32_t *restrict vp, int nt, const float *restrict alpha,
+                         int rows, int d, float *restrict o, float *restrict pv) {
+    for (int r0 = 0; r0 < rows; r0 += 16)
         for (int j = 0; j < d; j += 32) {
             _tile_zero(0);
             _tile_zero(1);
-            _tile_loadd(3, vt + j, d * 4);
-            _tile_loadd(4, vt + j + 16, d * 4);
-            _tile_dpbf16ps(0, 2, 3);
-            _tile_dpbf16ps(1, 2, 4);
+            for (int t = 0; t < nt; t++) {
+                const uint32_t *vt = vp + (int64_t)t * (PF_KT / 2) * d;
+                _tile_loadd(2, p + (int64_t)r0 * (PF_BS / 2) + t * (PF_KT / 2), PF_BS * 2);
+                _tile_loadd(3, vt + j, d * 4);
+                _tile_loadd(4, vt + j + 16, d * 4);
+                _tile_dpbf16ps(0, 2, 3);
+                _tile_dpbf16ps(1, 2, 4);
+            }
             _tile_stored(0, pv + (int64_t)r0 * d + j, d * 4);
             _tile_stored(1, pv + (int64_t)r0 * d + j + 16, d * 4);
         }
-    }
     for (int r = 0; r < rows; r++) {
         const __m512 a = _mm512_set1_ps(alpha[r]);
         float *orow = o + (int64_t)r * d;
@@ -397,8 +474,9 @@ static void tile_pv_amx(const uint32_t *restrict p, const uint32_t *restrict vt,
 static int prefill_amx(int d) { return d % 32 == 0 && kernels_amx_ready(); }
 #else
 static int prefill_amx(int d) { (void)d; return 0; }
-#define tile_scores_amx(qb, kt, rows, d, scale, s) abort()
-#define tile_pv_amx(p, vt, alpha, rows, d, o, pv) abort()
+#define block_scores_amx(qb, kp, nt, rows, d, s) abort()
+#define block_softmax(s, row_pos, rows, kpos0, nkeys, window, scale, cap, m, l, alpha, p) abort()
+#define block_pv_amx(p, vp, nt, alpha, rows, d, o, pv) abort()
 #endif
 
 int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size) {
@@ -410,8 +488,8 @@ int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size) {
 /* Scratch of one thread for one item. */
 typedef struct {
     uint32_t qb[PF_MAX_ROWS * PF_MAX_D / 2];
-    float s[PF_MAX_ROWS * PF_KT];
-    uint32_t p[PF_MAX_ROWS * PF_KT / 2];
+    float s[PF_MAX_ROWS * PF_BS]; /* rows PF_KT apart (AVX-512 path) or PF_BS apart (AMX blocks) */
+    uint32_t p[PF_MAX_ROWS * PF_BS / 2];
     float o[PF_MAX_ROWS * PF_MAX_D];
     float pv[PF_MAX_ROWS * PF_MAX_D]; /* a tile's P V on the AMX path */
     float m[PF_MAX_ROWS], l[PF_MAX_ROWS], alpha[PF_MAX_ROWS];
@@ -423,19 +501,23 @@ typedef struct {
 static void attend_rows(const uint32_t *kp, const uint32_t *vp, int kbase, int tile0, int tile1, int rows, int d,
                         float scale, int window, float cap, pf_scratch *w, int amx) {
     memset(w->o, 0, sizeof(float) * (size_t)rows * d);
+    if (amx) {
+        for (int b0 = tile0; b0 < tile1; b0 += PF_BT) {
+            const int nt = tile1 - b0 < PF_BT ? tile1 - b0 : PF_BT;
+            block_scores_amx(w->qb, kp + (int64_t)b0 * (d / 2) * PF_KT, nt, rows, d, w->s);
+            block_softmax(w->s, w->pos, rows, kbase + b0 * PF_KT, nt * PF_KT, window, scale, cap, w->m, w->l,
+                          w->alpha, w->p);
+            block_pv_amx(w->p, vp + (int64_t)b0 * (PF_KT / 2) * d, nt, w->alpha, rows, d, w->o, w->pv);
+        }
+        return;
+    }
     const tile_pv_fn pv = pv_for(d);
     for (int tile = tile0; tile < tile1; tile++) {
         const uint32_t *kt = kp + (int64_t)tile * (d / 2) * PF_KT;
         const uint32_t *vt = vp + (int64_t)tile * (PF_KT / 2) * d;
-        if (amx)
-            tile_scores_amx(w->qb, kt, rows, d, scale, w->s);
-        else
-            tile_scores(w->qb, kt, rows, d, scale, w->s);
+        tile_scores(w->qb, kt, rows, d, scale, w->s);
         tile_softmax(w->s, w->pos, rows, kbase + tile * PF_KT, window, cap, w->m, w->l, w->alpha, w->p);
-        if (amx)
-            tile_pv_amx(w->p, vt, w->alpha, rows, d, w->o, w->pv);
-        else
-            pv(w->p, vt, w->alpha, rows, w->o);
+        pv(w->p, vt, w->alpha, rows, w->o);
     }
 }
 
