@@ -364,3 +364,38 @@ def test_c_kernel_cascade_keeps_packed_prefixes_while_their_pages_keep_their_epo
     finally:
         cpu_kernels.set_cascade_cache_limit(None)
         cpu_kernels.clear_cascade_cache()
+
+
+def test_c_kernel_cascade_grows_a_packed_prefix_in_place():
+    """A speculative verify's rows of one request are a group whose shared pages grow a page at a time:
+    the entry packs only the new tiles (from its whole ones), and a shorter group later is served by the
+    longer entry; both exactly as a fresh pack."""
+    from tokenos.layers import cpu_kernels
+    from tokenos.worker.kv_cache import PageEpochs
+
+    if cpu_kernels.load() is None or not cpu_kernels.uses_cascade():
+        pytest.skip("cascade attention needs the AVX512-BF16 kernels")
+    torch.manual_seed(11)
+    block_size, heads, kv_heads, d, rows, pages = 16, 8, 2, 64, 5, 40
+    cache = torch.randn(pages + 1, 2, block_size, kv_heads, d).to(torch.bfloat16)
+    table = torch.arange(1, pages + 1, dtype=torch.int32).repeat(rows, 1).contiguous()
+    q = torch.randn(rows, heads, d)
+    epochs = PageEpochs(pages + 1)
+
+    def decode(context: int, with_epochs: bool = True) -> torch.Tensor:
+        seq = torch.arange(context + 1, context + rows + 1, dtype=torch.int32)
+        pe = epochs.epochs if with_epochs else None
+        return cpu_kernels.paged_decode(q, cache, table, seq, d**-0.5, None, page_epochs=pe)
+
+    cpu_kernels.set_cascade_cache_limit(None)
+    cpu_kernels.clear_cascade_cache()
+    try:
+        # 12, 13, 14, 18 shared pages (room for 11 tiles, so 36 pages move the entry to a larger buffer)
+        for context in (200, 216, 232, 300, 580):
+            torch.testing.assert_close(decode(context), decode(context, False), atol=0, rtol=0)
+        stats = cpu_kernels.cascade_cache_stats()
+        assert (stats["misses"], stats["grown"], stats["entries"]) == (1, 4, 1)
+        torch.testing.assert_close(decode(120), decode(120, False), atol=0, rtol=0)
+        assert cpu_kernels.cascade_cache_stats()["hits"] == 1
+    finally:
+        cpu_kernels.clear_cascade_cache()

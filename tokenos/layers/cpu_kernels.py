@@ -246,12 +246,13 @@ def set_cascade(on: bool) -> None:
 
 def cascade_cache_stats() -> dict[str, int]:
     """The packed-prefix cache of cascade attention (csrc/prefill_attention.c): entries, bytes, and
-    the groups that found their prefix packed (hits) or packed it (misses) since the last clear."""
+    the groups that found their prefix packed (hits), packed it anew (misses) or packed only the pages
+    it had grown by (grown) since the last clear."""
     lib = load()
-    out = (ctypes.c_int64 * 4)()
+    out = (ctypes.c_int64 * 5)()
     if lib is not None:
         lib.cascade_cache_stats(out)
-    return dict(zip(("entries", "bytes", "hits", "misses"), out, strict=True))
+    return dict(zip(("entries", "bytes", "hits", "misses", "grown"), out, strict=True))
 
 
 def clear_cascade_cache() -> None:

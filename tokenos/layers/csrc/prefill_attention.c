@@ -568,10 +568,13 @@ static inline int unit_of(const int64_t *first, int64_t i) {
 
 /* Packed K/V of several key ranges ("units": a prefill chunk's visible keys, a decode group's shared
  * pages), each packed once per KV head; unit u reads blocks[u]'s pages over keys [k0[u], k1[u]). Each
- * unit has its own pointers, so a decode group's units can come from the packed-prefix cache below. */
+ * unit has its own pointers and its own distance between KV heads (room for more tiles), so a decode
+ * group's units can live in the packed-prefix cache below and grow there. */
 typedef struct {
-    uint32_t **kp, **vp; /* unit u's K and V: [num_kv_heads][its tiles][tile_elems] uint32 each */
-    int64_t *tile0;      /* unit u's tiles: [tile0[u], tile0[u + 1]) per KV head */
+    uint32_t **kp, **vp; /* unit u's K and V: [num_kv_heads][hstride[u] tiles][tile_elems] uint32 each */
+    int64_t *ntiles;     /* unit u's tiles per KV head */
+    int64_t *hstride;    /* tiles from one KV head's to the next */
+    int64_t *from;       /* pack_units packs unit u's tiles [from[u], ntiles[u]) */
     int64_t tile_elems;
     int num_kv_heads;
     uint32_t *block; /* what packed_alloc allocated (NULL: nothing) */
@@ -580,9 +583,13 @@ typedef struct {
 static void packed_init(packed_kv *pk, int units, const int *k0, const int *k1, int num_kv_heads, int d) {
     pk->num_kv_heads = num_kv_heads;
     pk->tile_elems = (int64_t)PF_KT * d / 2; /* uint32 per packed tile of K (and of V) */
-    pk->tile0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(units + 1));
-    pk->tile0[0] = 0;
-    for (int u = 0; u < units; u++) pk->tile0[u + 1] = pk->tile0[u] + (k1[u] - k0[u] + PF_KT - 1) / PF_KT;
+    pk->ntiles = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * units + 1));
+    pk->hstride = pk->ntiles + units;
+    pk->from = pk->hstride + units;
+    for (int u = 0; u < units; u++) {
+        pk->ntiles[u] = pk->hstride[u] = (k1[u] - k0[u] + PF_KT - 1) / PF_KT;
+        pk->from[u] = 0;
+    }
     pk->kp = (uint32_t **)calloc((size_t)(2 * units + 1), sizeof(uint32_t *));
     pk->vp = pk->kp + units;
     pk->block = NULL;
@@ -590,7 +597,7 @@ static void packed_init(packed_kv *pk, int units, const int *k0, const int *k1, 
 
 /* uint32 elements of unit u's packed K (as many again for its V). */
 static inline int64_t unit_elems(const packed_kv *pk, int u) {
-    return (pk->tile0[u + 1] - pk->tile0[u]) * pk->num_kv_heads * pk->tile_elems;
+    return pk->hstride[u] * pk->num_kv_heads * pk->tile_elems;
 }
 
 /* One allocation for units todo[0 .. n). */
@@ -609,7 +616,7 @@ static void packed_alloc(packed_kv *pk, const int *todo, int n) {
 
 /* Where KV head kh's tiles start in unit u's kp / vp. */
 static inline int64_t packed_base(const packed_kv *pk, int u, int kh) {
-    return (int64_t)kh * (pk->tile0[u + 1] - pk->tile0[u]) * pk->tile_elems;
+    return (int64_t)kh * pk->hstride[u] * pk->tile_elems;
 }
 
 /* Pack units todo[0 .. n) into their buffers, every (tile, KV head) of them one parallel item. */
@@ -619,7 +626,7 @@ static void pack_units(const packed_kv *pk, const int *todo, int n, const void *
     const int num_kv_heads = pk->num_kv_heads;
     int64_t *first = (int64_t *)malloc(sizeof(int64_t) * (size_t)(n + 1)); /* tiles before todo[i] */
     first[0] = 0;
-    for (int i = 0; i < n; i++) first[i + 1] = first[i] + pk->tile0[todo[i] + 1] - pk->tile0[todo[i]];
+    for (int i = 0; i < n; i++) first[i + 1] = first[i] + pk->ntiles[todo[i]] - pk->from[todo[i]];
     const int64_t pack_items = first[n] * num_kv_heads;
     _Pragma("omp parallel for schedule(static)")
     for (int64_t it = 0; it < pack_items; it++) {
@@ -628,13 +635,13 @@ static void pack_units(const packed_kv *pk, const int *todo, int n, const void *
         const int i = unit_of(first, gt), u = todo[i];
         const int64_t base = packed_base(pk, u, kh);
         pack_kv(cache, table, page_stride, block_size, blocks[u], row, v_offset, kh, d, k0[u], k1[u],
-                (int)(gt - first[i]), pk->kp[u] + base, pk->vp[u] + base);
+                (int)(pk->from[u] + gt - first[i]), pk->kp[u] + base, pk->vp[u] + base);
     }
     free(first);
 }
 
 static void packed_free(packed_kv *pk) {
-    free(pk->tile0);
+    free(pk->ntiles);
     free(pk->kp);
     free(pk->block);
 }
@@ -726,17 +733,18 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
 typedef struct {
     const void *cache;
     int64_t page_stride;
-    int block_size, num_kv_heads, d, tokens, npages;
+    int block_size, num_kv_heads, d, tokens, npages, cap_pages;
+    int64_t cap_tiles; /* room per KV head, so a prefix that grows by a page is packed in place */
+    int64_t *epochs;   /* [cap_pages], then pages int32 [cap_pages] in the same allocation */
     int32_t *pages;
-    int64_t *epochs;
-    uint32_t *kv; /* K then V, as unit_elems each */
+    uint32_t *kv; /* K then V: [num_kv_heads][cap_tiles][tile_elems] each */
     int64_t bytes;
     uint64_t used;
 } prefix_entry;
 
-static prefix_entry *pc_entries;
+static prefix_entry **pc_entries; /* each entry its own allocation: dropping one moves no other */
 static int pc_count, pc_cap;
-static int64_t pc_bytes, pc_limit = -1, pc_hits, pc_misses;
+static int64_t pc_bytes, pc_limit = -1, pc_hits, pc_misses, pc_grown;
 static uint64_t pc_clock;
 static pthread_mutex_t pc_lock = PTHREAD_MUTEX_INITIALIZER;
 
@@ -748,72 +756,145 @@ static int64_t prefix_limit(void) {
     return pc_limit;
 }
 
+/* Whether e holds the first pages of a group over `tokens` tokens (whole pages): every page both
+ * cover is the same page, at the epoch e packed it at. */
 static int prefix_matches(const prefix_entry *e, const void *cache, int64_t page_stride, int block_size,
                           int num_kv_heads, int d, int tokens, const int32_t *pages, const int64_t *epochs) {
-    if (e->cache != cache || e->tokens != tokens || e->page_stride != page_stride || e->block_size != block_size
+    if (e->cache != cache || e->page_stride != page_stride || e->block_size != block_size
         || e->num_kv_heads != num_kv_heads || e->d != d)
         return 0;
-    for (int i = 0; i < e->npages; i++)
+    const int n = e->npages < tokens / block_size ? e->npages : tokens / block_size;
+    for (int i = 0; i < n; i++)
         if (e->pages[i] != pages[i] || e->epochs[i] != epochs[pages[i]]) return 0;
     return 1;
 }
 
 static void prefix_drop(int i) {
-    free(pc_entries[i].kv);
-    free(pc_entries[i].epochs); /* pages live in the same allocation */
-    pc_bytes -= pc_entries[i].bytes;
+    prefix_entry *e = pc_entries[i];
+    pc_bytes -= e->bytes;
+    free(e->kv);
+    free(e->epochs);
+    free(e);
     pc_entries[i] = pc_entries[--pc_count];
 }
 
 /* Room for `bytes` more: stale entries go, then the least recently used ones not in use this call. */
 static int prefix_make_room(int64_t bytes) {
     for (int i = pc_count - 1; i >= 0; i--)
-        if (pc_entries[i].used + PREFIX_STALE_CALLS < pc_clock) prefix_drop(i);
+        if (pc_entries[i]->used + PREFIX_STALE_CALLS < pc_clock) prefix_drop(i);
     while (pc_bytes + bytes > prefix_limit()) {
         int lru = -1;
         for (int i = 0; i < pc_count; i++)
-            if (pc_entries[i].used < pc_clock && (lru < 0 || pc_entries[i].used < pc_entries[lru].used)) lru = i;
+            if (pc_entries[i]->used < pc_clock && (lru < 0 || pc_entries[i]->used < pc_entries[lru]->used)) lru = i;
         if (lru < 0) return 0;
         prefix_drop(lru);
     }
     return 1;
 }
 
-/* Keep a freshly packed unit (kv, as packed_alloc laid it out for one unit); frees it if there is no room. */
-static void prefix_keep(const void *cache, int64_t page_stride, int block_size, int num_kv_heads, int d, int tokens,
-                        const int32_t *pages, const int64_t *epochs, uint32_t *kv, int64_t bytes) {
-    if (!prefix_make_room(bytes)) {
-        free(kv);
-        return;
+static inline int64_t entry_elems(const prefix_entry *e, int64_t tile_elems) {
+    return e->cap_tiles * e->num_kv_heads * tile_elems;
+}
+
+/* Room for `tiles` tiles per KV head (and the pages they cover), keeping the packed tiles of the first
+ * `keep` tokens; 0 when the cache has no room. */
+static int prefix_reserve(prefix_entry *e, int64_t tiles, int64_t tile_elems, int keep) {
+    if (tiles <= e->cap_tiles) return 1;
+    const int64_t cap = tiles + (tiles / 4 > 4 ? tiles / 4 : 4);
+    const int64_t bytes = (int64_t)sizeof(uint32_t) * 2 * cap * e->num_kv_heads * tile_elems;
+    if (!prefix_make_room(bytes - e->bytes)) return 0;
+    uint32_t *kv = (uint32_t *)malloc((size_t)bytes);
+    const int64_t full = keep / PF_KT, old = entry_elems(e, tile_elems), now = cap * e->num_kv_heads * tile_elems;
+    for (int plane = 0; plane < 2 && e->kv; plane++) /* K, then V */
+        for (int kh = 0; kh < e->num_kv_heads; kh++)
+            memcpy(kv + plane * now + kh * cap * tile_elems, e->kv + plane * old + kh * e->cap_tiles * tile_elems,
+                   sizeof(uint32_t) * (size_t)(full * tile_elems));
+    free(e->kv);
+    const int cap_pages = (int)(cap * PF_KT / e->block_size);
+    int64_t *epochs = (int64_t *)malloc((sizeof(int64_t) + sizeof(int32_t)) * (size_t)cap_pages);
+    int32_t *pages = (int32_t *)(epochs + cap_pages);
+    if (e->npages) {
+        memcpy(epochs, e->epochs, sizeof(int64_t) * (size_t)e->npages);
+        memcpy(pages, e->pages, sizeof(int32_t) * (size_t)e->npages);
+    }
+    free(e->epochs);
+    pc_bytes += bytes - e->bytes;
+    *e = (prefix_entry){e->cache, e->page_stride, e->block_size, e->num_kv_heads, e->d, e->tokens, e->npages,
+                        cap_pages, cap, epochs, pages, kv, bytes, e->used};
+    return 1;
+}
+
+/* A new, empty entry (NULL: no room for it). */
+static prefix_entry *prefix_new(const void *cache, int64_t page_stride, int block_size, int num_kv_heads, int d,
+                                int64_t tiles, int64_t tile_elems) {
+    prefix_entry *e = (prefix_entry *)calloc(1, sizeof(prefix_entry));
+    *e = (prefix_entry){cache, page_stride, block_size, num_kv_heads, d, 0, 0, 0, 0, NULL, NULL, NULL, 0, pc_clock};
+    if (!prefix_reserve(e, tiles, tile_elems, 0)) {
+        free(e);
+        return NULL;
     }
     if (pc_count == pc_cap) {
         pc_cap = pc_cap ? 2 * pc_cap : 64;
-        pc_entries = (prefix_entry *)realloc(pc_entries, sizeof(prefix_entry) * (size_t)pc_cap);
+        pc_entries = (prefix_entry **)realloc(pc_entries, sizeof(prefix_entry *) * (size_t)pc_cap);
     }
-    const int npages = tokens / block_size;
-    prefix_entry *e = &pc_entries[pc_count++];
-    *e = (prefix_entry){cache, page_stride, block_size, num_kv_heads, d, tokens, npages, NULL, NULL, kv, bytes,
-                        pc_clock};
-    e->epochs = (int64_t *)malloc((sizeof(int64_t) + sizeof(int32_t)) * (size_t)(npages > 0 ? npages : 1));
-    e->pages = (int32_t *)(e->epochs + npages);
-    for (int i = 0; i < npages; i++) {
-        e->pages[i] = pages[i];
-        e->epochs[i] = epochs[pages[i]];
-    }
-    pc_bytes += bytes;
+    pc_entries[pc_count++] = e;
+    return e;
 }
 
-/* Entries, bytes, hits and misses so far; and a way to empty it (tests, engine shutdown). */
+/* The entry for a group over `tokens` tokens of `pages`, ready for the kernel: found whole (*from set
+ * to the tiles it holds, nothing to pack), grown in place from a shorter one (*from: its whole tiles),
+ * or new (*from = 0). NULL: the cache has no room. */
+static prefix_entry *prefix_entry_for(const void *cache, int64_t page_stride, int block_size, int num_kv_heads,
+                                      int d, int tokens, const int32_t *pages, const int64_t *epochs,
+                                      int64_t tile_elems, int64_t *from) {
+    const int64_t tiles = (tokens + PF_KT - 1) / PF_KT;
+    prefix_entry *best = NULL;
+    for (int i = 0; i < pc_count; i++) {
+        prefix_entry *e = pc_entries[i];
+        if (e->used == pc_clock || !prefix_matches(e, cache, page_stride, block_size, num_kv_heads, d, tokens, pages,
+                                                   epochs))
+            continue;
+        if (!best || e->tokens > best->tokens) best = e;
+        if (best->tokens >= tokens) break;
+    }
+    if (best && best->tokens >= tokens) {
+        best->used = pc_clock;
+        *from = tiles;
+        pc_hits++;
+        return best;
+    }
+    if (best) {
+        best->used = pc_clock;
+        if (!prefix_reserve(best, tiles, tile_elems, best->tokens)) return NULL;
+        *from = best->tokens / PF_KT;
+        pc_grown++;
+    } else {
+        best = prefix_new(cache, page_stride, block_size, num_kv_heads, d, tiles, tile_elems);
+        if (!best) return NULL;
+        *from = 0;
+        pc_misses++;
+    }
+    for (int i = best->npages; i < tokens / block_size; i++) {
+        best->pages[i] = pages[i];
+        best->epochs[i] = epochs[pages[i]];
+    }
+    best->npages = tokens / block_size;
+    best->tokens = tokens;
+    return best;
+}
+
+/* Entries, bytes, and the groups that found their prefix packed (hits), packed it anew (misses) or
+ * packed only the pages it had grown by (grown) since the last clear; and a way to empty it. */
 void cascade_cache_stats(int64_t *out) {
     pthread_mutex_lock(&pc_lock);
-    out[0] = pc_count, out[1] = pc_bytes, out[2] = pc_hits, out[3] = pc_misses;
+    out[0] = pc_count, out[1] = pc_bytes, out[2] = pc_hits, out[3] = pc_misses, out[4] = pc_grown;
     pthread_mutex_unlock(&pc_lock);
 }
 
 void cascade_cache_clear(void) {
     pthread_mutex_lock(&pc_lock);
     while (pc_count) prefix_drop(pc_count - 1);
-    pc_hits = pc_misses = 0;
+    pc_hits = pc_misses = pc_grown = 0;
     pthread_mutex_unlock(&pc_lock);
 }
 
@@ -868,31 +949,22 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
         else
             pthread_mutex_unlock(&pc_lock);
     }
+    int *spare = (int *)malloc(sizeof(int) * (size_t)num_groups), nspare = 0; /* packed outside the cache */
     for (int j = 0; j < num_groups; j++) {
-        prefix_entry *hit = NULL;
-        for (int i = 0; keep && i < pc_count && !hit; i++)
-            if (prefix_matches(&pc_entries[i], cache, page_stride, block_size, num_kv_heads, d, tokens[j], blocks[j],
-                               epochs))
-                hit = &pc_entries[i];
-        if (hit) {
-            hit->used = pc_clock;
-            pk.kp[j] = hit->kv;
-            pk.vp[j] = hit->kv + unit_elems(&pk, j);
-            pc_hits++;
-        } else {
-            todo[ntodo++] = j;
-            pc_misses += keep;
+        prefix_entry *e = keep ? prefix_entry_for(cache, page_stride, block_size, num_kv_heads, d, tokens[j],
+                                                  blocks[j], epochs, pk.tile_elems, &pk.from[j])
+                               : NULL;
+        if (!e) {
+            spare[nspare++] = todo[ntodo++] = j;
+            continue;
         }
+        pk.kp[j] = e->kv;
+        pk.vp[j] = e->kv + entry_elems(e, pk.tile_elems);
+        pk.hstride[j] = e->cap_tiles;
+        if (pk.from[j] < pk.ntiles[j]) todo[ntodo++] = j;
     }
-    if (keep) { /* each unit its own buffer, so the cache can adopt it */
-        for (int i = 0; i < ntodo; i++) {
-            const int j = todo[i];
-            pk.kp[j] = (uint32_t *)malloc(sizeof(uint32_t) * (size_t)(2 * unit_elems(&pk, j)));
-            pk.vp[j] = pk.kp[j] + unit_elems(&pk, j);
-        }
-    } else {
-        packed_alloc(&pk, todo, ntodo);
-    }
+    packed_alloc(&pk, spare, nspare);
+    free(spare);
     pack_units(&pk, todo, ntodo, cache, NULL, page_stride, block_size, blocks, k0, tokens, row, v_offset, d);
     const int64_t items = item0[num_groups];
     const int amx = prefill_amx(d);
@@ -922,7 +994,7 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
                 w->l[r] = 0.f;
             }
             const int64_t base = packed_base(&pk, j, kh);
-            attend_rows(pk.kp[j] + base, pk.vp[j] + base, 0, 0, (int)(pk.tile0[j + 1] - pk.tile0[j]), rows, d, scale,
+            attend_rows(pk.kp[j] + base, pk.vp[j] + base, 0, 0, (int)pk.ntiles[j], rows, d, scale,
                         0, cap, w, amx);
             for (int r = 0; r < live; r++) {
                 const int64_t at = (int64_t)slot[members[m0 + r / g]] * num_heads + kh * g + r % g;
@@ -933,14 +1005,7 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
         }
         scratch_end(w, amx);
     }
-    if (keep) {
-        for (int i = 0; i < ntodo; i++) {
-            const int j = todo[i];
-            prefix_keep(cache, page_stride, block_size, num_kv_heads, d, tokens[j], blocks[j], epochs, pk.kp[j],
-                        (int64_t)sizeof(uint32_t) * 2 * unit_elems(&pk, j));
-        }
-        pthread_mutex_unlock(&pc_lock);
-    }
+    if (keep) pthread_mutex_unlock(&pc_lock);
     packed_free(&pk);
     free(item0); free(blocks); free(k0); free(todo);
 }
@@ -961,7 +1026,7 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
     (void)head_size; (void)scale; (void)window; (void)out; (void)out_stride;
     abort(); /* the caller checks paged_prefill_available() first */
 }
-void cascade_cache_stats(int64_t *out) { out[0] = out[1] = out[2] = out[3] = 0; }
+void cascade_cache_stats(int64_t *out) { out[0] = out[1] = out[2] = out[3] = out[4] = 0; }
 void cascade_cache_clear(void) {}
 void cascade_cache_set_limit(int64_t bytes) { (void)bytes; }
 
