@@ -489,48 +489,65 @@ static inline void int_rows(const qweight *w, const uint8_t *cells, int64_t p, _
     for (int j = 0; j < 16; j += 2) pair_ints(cells, p + j, w->bits, dst + j, dst + j + 1);
 }
 
+/* Group g's tile sums (c, M x 32, row stride 32) scaled into acc. */
+static inline void scale_group(const qweight *w, int64_t t, int64_t g, int64_t groups, float offset, const float *c,
+                               const float *xsum, int64_t M, float *acc) {
+    for (int h = 0; h < 2; h++) {
+        __m512 sc, zc;
+        group_scale(w, 2 * t + h, g, offset, &sc, &zc);
+        for (int64_t i = 0; i < M; i++) {
+            __m512 a = _mm512_load_ps(acc + i * 32 + h * 16);
+            a = _mm512_fmadd_ps(sc, _mm512_load_ps(c + i * 32 + h * 16), a);
+            a = _mm512_fmadd_ps(zc, _mm512_set1_ps(xsum[i * groups + g]), a);
+            _mm512_store_ps(acc + i * 32 + h * 16, a);
+        }
+    }
+}
+
+/* Software-pipelined: the integer cells of chunk k + 1 are widened into the other B buffer before
+ * chunk k's tiles load, and a group's tile sums are stored one group before the vector unit scales
+ * them, so no tile load waits on the vector stores just made, and no vector load on a tile store. */
 static void qgemv_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs, void *out, int64_t os,
                       int out_f32) {
     int64_t K = w->K, groups = K / w->group, ntiles = (w->N + 31) / 32, nblocks = (w->N + 15) / 16;
-    int64_t cb = cell_bytes(w->bits), gp = w->group / 2;
+    int64_t cb = cell_bytes(w->bits), gp = w->group / 2, chunks = K / 32, per_group = gp / 16;
     float offset = w->bits == 4 ? 128.0f : 0.0f;
     float xsum[AMX_FEW_MAX * groups];
     group_sums(w, x, M, xs, xsum);
     _Pragma("omp parallel") {
         int64_t t0, t1;
         thread_span(ntiles, &t0, &t1);
-        __m512i b[2][16] __attribute__((aligned(64)));
-        float c[AMX_FEW_MAX * 32] __attribute__((aligned(64))), acc[AMX_FEW_MAX * 32] __attribute__((aligned(64)));
+        __m512i b[2][2][16] __attribute__((aligned(64)));
+        float c[2][AMX_FEW_MAX * 32] __attribute__((aligned(64)));
+        float acc[AMX_FEW_MAX * 32] __attribute__((aligned(64)));
         if (t0 < t1) amx_configure_rows((int)M);
         for (int64_t t = t0; t < t1; t++) {
             int two = 2 * t + 1 < nblocks;
             const uint8_t *c0 = w->q + 2 * t * (K / 2) * cb, *c1 = two ? c0 + (K / 2) * cb : c0;
             memset(acc, 0, sizeof(float) * 32 * M);
-            for (int64_t g = 0; g < groups; g++) {
+            int_rows(w, c0, 0, b[0][0]);
+            int_rows(w, c1, 0, b[0][1]);
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t k = 0; k < chunks; k++) {
+                if (k + 1 < chunks) {
+                    int_rows(w, c0, 16 * (k + 1), b[(k + 1) & 1][0]);
+                    int_rows(w, c1, 16 * (k + 1), b[(k + 1) & 1][1]);
+                }
+                _tile_loadd(4, x + 32 * k, xs * 2);
+                _tile_loadd(6, b[k & 1][0], 64);
+                _tile_loadd(7, b[k & 1][1], 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                if ((k + 1) % per_group) continue;
+                const int64_t g = k / per_group;
+                _tile_stored(0, c[g & 1], 128);
+                _tile_stored(1, c[g & 1] + 16, 128);
                 _tile_zero(0);
                 _tile_zero(1);
-                for (int64_t p = g * gp; p < (g + 1) * gp; p += 16) {
-                    int_rows(w, c0, p, b[0]);
-                    int_rows(w, c1, p, b[1]);
-                    _tile_loadd(4, x + 2 * p, xs * 2);
-                    _tile_loadd(6, b[0], 64);
-                    _tile_loadd(7, b[1], 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                }
-                _tile_stored(0, c, 128);
-                _tile_stored(1, c + 16, 128);
-                for (int h = 0; h < 2; h++) {
-                    __m512 sc, zc;
-                    group_scale(w, 2 * t + h, g, offset, &sc, &zc);
-                    for (int64_t i = 0; i < M; i++) {
-                        __m512 a = _mm512_load_ps(acc + i * 32 + h * 16);
-                        a = _mm512_fmadd_ps(sc, _mm512_load_ps(c + i * 32 + h * 16), a);
-                        a = _mm512_fmadd_ps(zc, _mm512_set1_ps(xsum[i * groups + g]), a);
-                        _mm512_store_ps(acc + i * 32 + h * 16, a);
-                    }
-                }
+                if (g > 0) scale_group(w, t, g - 1, groups, offset, c[(g - 1) & 1], xsum, M, acc);
             }
+            scale_group(w, t, groups - 1, groups, offset, c[(groups - 1) & 1], xsum, M, acc);
             store_rows(acc, M, 32 * t, w->N, out, os, out_f32);
         }
         if (t0 < t1) _tile_release();
