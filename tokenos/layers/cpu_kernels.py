@@ -222,7 +222,7 @@ def qgemm_kernel(dtype: torch.dtype):
 
 def uses_amx() -> bool:
     """Whether the kernels multiply on AMX tiles where they have a tile path (csrc/qlinear.c's exact
-    few-row path, 3 to 16 rows, and panel path, more, for bf16 quantized linears;
+    few-row path, 2 to 16 rows, and panel path, more, for bf16 quantized linears;
     csrc/prefill_attention.c's two products): an AMX-BF16 CPU, a kernel built for it, the kernel
     allowed to use it by the OS, and not ``TOKENOS_DISABLE_AMX=1``."""
     lib = load()

@@ -20,7 +20,7 @@
  * bytes, and never rounded. More rows: a chunk of 128 column pairs of a 32-row tile is dequantized once
  * into an L1 panel of bf16 weights and every row runs over it in tiles of 6, accumulating in fp32; on
  * an AVX512-BF16 CPU this measures level with oneDNN's bf16 GEMM from M = 64 to 2048. On an AMX-BF16
- * CPU the same panel, over the whole of K, is multiplied on AMX tiles instead (qgemm_amx), and 3 to 16
+ * CPU the same panel, over the whole of K, is multiplied on AMX tiles instead (qgemm_amx), and 2 to 16
  * rows multiply the integer cells on tiles, exact as the few-row path (qgemv_amx). The fp32 build
  * (AVX2) takes a panel path in fp32 past MV32 rows; fewer (qgemv_f32) go straight from the cells.
  * Built where the compiler targets AVX2 + FMA + F16C (fp32) and AVX512-BF16 (bf16);
@@ -480,7 +480,7 @@ static void qgemm_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs
  * to the tile sums, so nothing is rounded but fp32 sums. On a CPU with AMX, vdpbf16ps is the slow
  * part of qgemv_bf16 past two rows (a 5-row speculative verify costs about 2.5x a 1-row decode there):
  * one TDPBF16PS does a 32-column group's multiply-adds for all rows at once. */
-#define AMX_FEW_MIN 3
+#define AMX_FEW_MIN 2 /* 1 row: the AVX-512 GEMV measured 0.85x this path's time for int4, level for int8 */
 #define AMX_FEW_MAX 16 /* one A tile */
 
 /* One 16-pair chunk (pairs p to p + 15, 32 columns) of a block's integer cells, as 16 B-tile rows
