@@ -56,6 +56,21 @@ def test_greedy_ids_pick_the_first_maximum_as_argmax_does() -> None:
         assert ops.greedy_ids(logits)[0] == 0
 
 
+def test_greedy_rows_skip_no_stage_that_edits_their_logits() -> None:
+    # All-greedy batches with nothing to edit take the argmax of the caller's logits directly; any
+    # editing stage (a bias, allowed ids, a penalty, min_tokens) still moves the argmax.
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0, 0.5, 0.0, 0.0, 0.0]])
+    cases = [
+        (SamplingParams(temperature=0.0), 1),
+        (SamplingParams(temperature=0.0, logit_bias={3: 10.0}), 3),
+        (SamplingParams(temperature=0.0, allowed_token_ids=[2, 4]), 2),
+        (SamplingParams(temperature=0.0, presence_penalty=2.0, frequency_penalty=2.0), 3),
+    ]
+    for params, want in cases:
+        state = make_state(params, outputs=[[1]])
+        assert int(sample_once(state, logits.clone())[0]) == want, params
+
+
 def test_mixed_batch_greedy_rows_stay_argmax() -> None:
     torch.manual_seed(2)
     logits = torch.randn(4, VOCAB)

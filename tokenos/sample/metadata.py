@@ -51,6 +51,18 @@ class SamplingMetadata:
     # The engine's custom logits processors (None: there are none), fed the batch's changes each step.
     logitsprocs: LogitsProcessors | None = None
 
+    @property
+    def edits_logits(self) -> bool:
+        """Whether a stage of `Sampler.process_logits` may change a logit of this batch."""
+        return (
+            self.allowed_token_ids is not None
+            or bool(self.bad_words)
+            or self.logit_bias is not None
+            or bool(self.min_tokens)
+            or (self.logitsprocs is not None and bool(self.logitsprocs.non_argmax_invariant))
+            or not self.no_penalties
+        )
+
     def select_row(self, row: int) -> SamplingMetadata:
         """The metadata of row ``row`` alone (as row 0), sharing its generator: to sample one row by
         itself when a batched sampling step failed."""
