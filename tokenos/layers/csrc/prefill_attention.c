@@ -231,6 +231,26 @@ static void tile_scores(const uint32_t *restrict qb, const uint32_t *restrict kt
     }
 }
 
+/* Rows r0 .. r0 + 15 of an online-softmax step, given each row's maximum over this step's keys (mx):
+ * the new maxima (m_new, and in mn as floats) and the factor each row's outputs are rescaled by. */
+static inline __m512 rows_rescale(const float *m, int r0, __mmask16 lanes, __mmask16 live, const __m512 *mx,
+                                  __m512 *m_new, float *mn) {
+    const __m512 m_old = _mm512_maskz_loadu_ps(lanes, m + r0);
+    *m_new = _mm512_mask_max_ps(m_old, live, m_old, max16(mx));
+    _mm512_store_ps(mn, *m_new);
+    /* exp(-inf) = 0 for a row's first visible keys; rows seeing nothing keep everything (alpha 1). */
+    return _mm512_mask_mov_ps(_mm512_set1_ps(1.f), live, exp16(_mm512_sub_ps(m_old, *m_new)));
+}
+
+/* ... then their maxima, sums (l alpha + this step's, per-row vectors in sums) and factors stored. */
+static inline void rows_commit(float *m, float *l, float *alpha, int r0, __mmask16 lanes, __m512 m_new, __m512 a,
+                               const __m512 *sums) {
+    const __m512 l_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, l + r0), a, sum16(sums));
+    _mm512_mask_storeu_ps(m + r0, lanes, m_new);
+    _mm512_mask_storeu_ps(l + r0, lanes, l_new);
+    _mm512_mask_storeu_ps(alpha + r0, lanes, a);
+}
+
 /* Online softmax over one tile for each row: keys kpos0 + [0, PF_KT) visible to row r are those in
  * [lo_r, hi_r] (lo_r/hi_r from its position and the window). Writes p as bf16 pairs and the factor
  * alpha the row's outputs are rescaled by; rows seeing no key of the tile get p = 0, alpha = 1.
@@ -271,12 +291,9 @@ static void tile_softmax(const float *restrict s, const int *restrict row_pos, i
             s1[i] = _mm512_mask_mov_ps(neg, k1[i], raw1);
             mx[i] = _mm512_max_ps(s0[i], s1[i]);
         }
-        const __m512 m_old = _mm512_maskz_loadu_ps(lanes, m + r0);
-        const __m512 m_new = _mm512_mask_max_ps(m_old, live, m_old, max16(mx));
-        /* exp(-inf) = 0 for a row's first visible tile; rows seeing nothing keep everything (alpha 1). */
-        const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), live, exp16(_mm512_sub_ps(m_old, m_new)));
         float mn[16] __attribute__((aligned(64)));
-        _mm512_store_ps(mn, m_new);
+        __m512 m_new;
+        const __m512 a = rows_rescale(m, r0, lanes, live, mx, &m_new, mn);
         for (int i = 0; i < 16; i++) {
             sums[i] = _mm512_setzero_ps();
             if (i >= nr) continue;
@@ -291,10 +308,7 @@ static void tile_softmax(const float *restrict s, const int *restrict row_pos, i
             sums[i] = _mm512_add_ps(e0, e1);
             _mm512_storeu_si512(pr, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
         }
-        const __m512 l_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, l + r0), a, sum16(sums));
-        _mm512_mask_storeu_ps(m + r0, lanes, m_new);
-        _mm512_mask_storeu_ps(l + r0, lanes, l_new);
-        _mm512_mask_storeu_ps(alpha + r0, lanes, a);
+        rows_commit(m, l, alpha, r0, lanes, m_new, a, sums);
     }
 }
 
@@ -363,14 +377,8 @@ static inline __m512 exp_softmax16(__m512 x) {
     const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
     const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
     const __m512 fn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, fn); /* fn = -126 only with f >= 0: 2^f >= 1 keeps the result normal */
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    /* fn = -126 only with f >= 0: 2^f >= 1 keeps the result normal */
+    const __m512 p = exp2_poly16(_mm512_sub_ps(t, fn));
     return _mm512_maskz_scalef_ps(keep, p, fn);
 }
 
@@ -432,12 +440,9 @@ static void block_softmax(float *restrict s, const int *restrict row_pos, int ro
                 mx[i] = _mm512_max_ps(mx[i], x);
             }
         }
-        const __m512 m_old = _mm512_maskz_loadu_ps(lanes, m + r0);
-        const __m512 m_new = _mm512_mask_max_ps(m_old, live, m_old, max16(mx));
-        /* exp(-inf) = 0 for a row's first visible block; rows seeing nothing keep everything (alpha 1). */
-        const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), live, exp16(_mm512_sub_ps(m_old, m_new)));
         float mn[16] __attribute__((aligned(64)));
-        _mm512_store_ps(mn, m_new);
+        __m512 m_new;
+        const __m512 a = rows_rescale(m, r0, lanes, live, mx, &m_new, mn);
         for (int i = 0; i < 16; i++) {
             sums[i] = _mm512_setzero_ps();
             if (i >= nr) continue;
@@ -455,10 +460,7 @@ static void block_softmax(float *restrict s, const int *restrict row_pos, int ro
                 _mm512_storeu_si512(pr + v / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
             }
         }
-        const __m512 l_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, l + r0), a, sum16(sums));
-        _mm512_mask_storeu_ps(m + r0, lanes, m_new);
-        _mm512_mask_storeu_ps(l + r0, lanes, l_new);
-        _mm512_mask_storeu_ps(alpha + r0, lanes, a);
+        rows_commit(m, l, alpha, r0, lanes, m_new, a, sums);
     }
 }
 

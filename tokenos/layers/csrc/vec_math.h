@@ -88,19 +88,23 @@ static inline float sink_factor(float m, float l, float sink) {
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-/* exp_approx on 16 lanes. */
-static inline __m512 vexp(__m512 x) {
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-126.f)), _mm512_set1_ps(128.f));
-    const __m512 fn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, fn);
+/* 2^f for f in [-0.5, 0.5], exp_approx's polynomial on 16 lanes. */
+static inline __m512 exp2_poly16(__m512 f) {
     __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+}
+
+/* exp_approx on 16 lanes. */
+static inline __m512 vexp(__m512 x) {
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-126.f)), _mm512_set1_ps(128.f));
+    const __m512 fn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 p = exp2_poly16(_mm512_sub_ps(t, fn));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(fn), _mm512_set1_epi32(127)), 23);
     return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
 }
