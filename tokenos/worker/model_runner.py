@@ -135,7 +135,7 @@ class ModelRunner:
             if any(getattr(m, attr, None) for m in modules)  # a dict of experts: empty until quantized
         ]
         if "quantized" in kinds and self.model_config.dtype == torch.bfloat16 and cpu_kernels.uses_amx():
-            kinds[kinds.index("quantized")] = "quantized (AMX tiles past 2 rows)"
+            kinds[kinds.index("quantized")] = "quantized (AMX tiles from 2 rows)"
         return " + ".join(kinds) or "F.linear"
 
     def _decode_kernel(self, c_kernel: bool) -> str:
