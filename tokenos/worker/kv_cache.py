@@ -112,8 +112,7 @@ class PageEpochs:
     _next = 0
 
     def __init__(self, num_blocks: int) -> None:
-        self.epochs = torch.empty(num_blocks, dtype=torch.int64)
-        self.epochs.copy_(self._fresh(num_blocks))
+        self.epochs = self._fresh(num_blocks)
 
     @classmethod
     def _fresh(cls, n: int) -> torch.Tensor:

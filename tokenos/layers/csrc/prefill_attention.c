@@ -513,7 +513,7 @@ typedef struct {
     float s[PF_MAX_ROWS * PF_BS]; /* rows PF_KT apart (AVX-512 path) or PF_BS apart (AMX blocks) */
     uint32_t p[PF_MAX_ROWS * PF_BS / 2];
     float o[PF_MAX_ROWS * PF_MAX_D];
-    float pv[PF_MAX_ROWS * PF_MAX_D]; /* a tile's P V on the AMX path */
+    float pv[PF_MAX_ROWS * PF_MAX_D]; /* a block's P V on the AMX path */
     float m[PF_MAX_ROWS], l[PF_MAX_ROWS], alpha[PF_MAX_ROWS];
     int pos[PF_MAX_ROWS];
 } pf_scratch;
@@ -743,13 +743,13 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
 }
 
 /* Packed prefixes kept between decode steps. A group's shared pages are the same pages, unchanged,
- * for as long as its members decode, and packing them was most of the cascade's cost (about 11 ms of
- * a 44 ms batch-64 step of prefix-64 on an AMX Xeon). The caller passes epochs (int64 per page):
+ * for as long as its members decode, and packing them was most of the cascade's time (31 of its 57
+ * samples in a py-spy profile of prefix-64 on an AMX Xeon). The caller passes epochs (int64 per page):
  * epochs[b] takes a value never used before whenever page b may be rewritten (the worker does so when
  * it hands b to a request), so an entry is reused only while each of its pages still has the epoch
  * it was packed at, and an entry of a freed cache can never match a new one at the same address.
- * Entries are bounded by TOKENOS_CASCADE_CACHE_MB (default 256; 0: off), least recently used out
- * first, and dropped once unused for PREFIX_STALE_CALLS calls. One lock: calls come from one engine
+ * Entries are bounded by TOKENOS_CASCADE_CACHE_MB (default 256; 0: off): whenever room is made, those
+ * unused for PREFIX_STALE_CALLS calls go first, then the least recently used. One lock: calls come from one engine
  * thread, but ctypes lets Python threads call in at once. */
 #define PREFIX_STALE_CALLS 4096
 typedef struct {
@@ -849,7 +849,7 @@ static int prefix_reserve(prefix_entry *e, int64_t tiles, int64_t tile_elems, in
 /* A new, empty entry (NULL: no room for it). */
 static prefix_entry *prefix_new(const void *cache, int64_t page_stride, int block_size, int num_kv_heads, int d,
                                 int64_t tiles, int64_t tile_elems) {
-    prefix_entry *e = (prefix_entry *)calloc(1, sizeof(prefix_entry));
+    prefix_entry *e = (prefix_entry *)malloc(sizeof(prefix_entry));
     *e = (prefix_entry){cache, page_stride, block_size, num_kv_heads, d, 0, 0, 0, 0, NULL, NULL, NULL, 0, pc_clock};
     if (!prefix_reserve(e, tiles, tile_elems, 0)) {
         free(e);
