@@ -35,9 +35,10 @@ _SOURCES = tuple(
         "qlinear.c",
         "lora.c",
         "decode_layer.c",
+        "packed_prefix.c",
     )
 )
-_HEADERS = (_CSRC / "vec_math.h", _CSRC / "amx.h")
+_HEADERS = (_CSRC / "vec_math.h", _CSRC / "amx.h", _CSRC / "packed_prefix.h")
 MAX_HEAD_SIZE = 512  # MAX_HEAD in the C source
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -245,7 +246,7 @@ def set_cascade(on: bool) -> None:
 
 
 def cascade_cache_stats() -> dict[str, int]:
-    """The packed-prefix cache of cascade attention (csrc/prefill_attention.c): entries, bytes, and
+    """The packed-prefix cache of cascade attention (csrc/packed_prefix.c): entries, bytes, and
     the groups that found their prefix packed (hits), packed it anew (misses) or packed only the pages
     it had grown by (grown) since the last clear."""
     lib = load()

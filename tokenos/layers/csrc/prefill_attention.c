@@ -29,7 +29,6 @@
  * Built only where the compiler targets AVX512-BF16; paged_prefill_available() says whether it was,
  * and the caller keeps torch's SDPA (its reference) otherwise. */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,12 +36,14 @@
 #include <omp.h>
 #endif
 #include "amx.h"
+#include "packed_prefix.h"
 #include "vec_math.h"
 
 #ifdef __AVX512BF16__
 
 #define PF_QT 16       /* query tokens per item */
 #define PF_KT 32       /* keys per tile: two vectors of 16 scores per row */
+_Static_assert(PF_KT == PREFIX_TILE_KEYS, "packed_prefix.c counts tiles of PF_KT keys");
 #define PF_BT 4        /* tiles per softmax block on the AMX path */
 #define PF_BS (PF_BT * PF_KT)
 #define PF_MAX_D 256   /* head sizes: multiples of 16 up to this (see pv_for) */
@@ -496,7 +497,7 @@ static void block_pv_amx(const uint32_t *restrict p, const uint32_t *restrict vp
 static int prefill_amx(int d) { return d % 32 == 0 && kernels_amx_ready(); }
 #else
 static int prefill_amx(int d) { (void)d; return 0; }
-#define block_scores_amx(qb, kp, nt, rows, d, s) abort()
+#define block_scores_amx(qb, kp, nt, rows, d, s) ((void)(nt), abort())
 #define block_softmax(s, row_pos, rows, kpos0, nkeys, window, scale, cap, m, l, alpha, p) abort()
 #define block_pv_amx(p, vp, nt, alpha, rows, d, o, pv) abort()
 #endif
@@ -742,197 +743,10 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
     free(item0); free(blocks); free(k0);
 }
 
-/* Packed prefixes kept between decode steps. A group's shared pages are the same pages, unchanged,
- * for as long as its members decode, and packing them was most of the cascade's time (31 of its 57
- * samples in a py-spy profile of prefix-64 on an AMX Xeon). The caller passes epochs (int64 per page):
- * epochs[b] takes a value never used before whenever page b may be rewritten (the worker does so when
- * it hands b to a request), so an entry is reused only while each of its pages still has the epoch
- * it was packed at, and an entry of a freed cache can never match a new one at the same address.
- * Entries are bounded by TOKENOS_CASCADE_CACHE_MB (default 256; 0: off): whenever room is made, those
- * unused for PREFIX_STALE_CALLS calls go first, then the least recently used. One lock: calls come from one engine
- * thread, but ctypes lets Python threads call in at once. */
-#define PREFIX_STALE_CALLS 4096
-typedef struct {
-    const void *cache;
-    int64_t page_stride;
-    int block_size, num_kv_heads, d, tokens, npages, cap_pages;
-    int64_t cap_tiles; /* room per KV head, so a prefix that grows by a page is packed in place */
-    int64_t *epochs;   /* [cap_pages], then pages int32 [cap_pages] in the same allocation */
-    int32_t *pages;
-    uint32_t *kv; /* K then V: [num_kv_heads][cap_tiles][tile_elems] each */
-    int64_t bytes;
-    uint64_t used;
-} prefix_entry;
-
-static prefix_entry **pc_entries; /* each entry its own allocation: dropping one moves no other */
-static int pc_count, pc_cap;
-static int64_t pc_bytes, pc_limit = -1, pc_hits, pc_misses, pc_grown;
-static uint64_t pc_clock;
-static pthread_mutex_t pc_lock = PTHREAD_MUTEX_INITIALIZER;
-
-static int64_t prefix_limit(void) {
-    if (pc_limit < 0) {
-        const char *env = getenv("TOKENOS_CASCADE_CACHE_MB");
-        pc_limit = (env && *env ? atoll(env) : 256) << 20;
-    }
-    return pc_limit;
-}
-
-/* Whether e holds the first pages of a group over `tokens` tokens (whole pages): every page both
- * cover is the same page, at the epoch e packed it at. */
-static int prefix_matches(const prefix_entry *e, const void *cache, int64_t page_stride, int block_size,
-                          int num_kv_heads, int d, int tokens, const int32_t *pages, const int64_t *epochs) {
-    if (e->cache != cache || e->page_stride != page_stride || e->block_size != block_size
-        || e->num_kv_heads != num_kv_heads || e->d != d)
-        return 0;
-    const int n = e->npages < tokens / block_size ? e->npages : tokens / block_size;
-    for (int i = 0; i < n; i++)
-        if (e->pages[i] != pages[i] || e->epochs[i] != epochs[pages[i]]) return 0;
-    return 1;
-}
-
-static void prefix_drop(int i) {
-    prefix_entry *e = pc_entries[i];
-    pc_bytes -= e->bytes;
-    free(e->kv);
-    free(e->epochs);
-    free(e);
-    pc_entries[i] = pc_entries[--pc_count];
-}
-
-/* Room for `bytes` more: stale entries go, then the least recently used ones not in use this call. */
-static int prefix_make_room(int64_t bytes) {
-    for (int i = pc_count - 1; i >= 0; i--)
-        if (pc_entries[i]->used + PREFIX_STALE_CALLS < pc_clock) prefix_drop(i);
-    while (pc_bytes + bytes > prefix_limit()) {
-        int lru = -1;
-        for (int i = 0; i < pc_count; i++)
-            if (pc_entries[i]->used < pc_clock && (lru < 0 || pc_entries[i]->used < pc_entries[lru]->used)) lru = i;
-        if (lru < 0) return 0;
-        prefix_drop(lru);
-    }
-    return 1;
-}
-
-static inline int64_t entry_elems(const prefix_entry *e, int64_t tile_elems) {
-    return e->cap_tiles * e->num_kv_heads * tile_elems;
-}
-
-/* Room for `tiles` tiles per KV head (and the pages they cover), keeping the packed tiles of the first
- * `keep` tokens; 0 when the cache has no room. */
-static int prefix_reserve(prefix_entry *e, int64_t tiles, int64_t tile_elems, int keep) {
-    if (tiles <= e->cap_tiles) return 1;
-    const int64_t cap = tiles + (tiles / 4 > 4 ? tiles / 4 : 4);
-    const int64_t bytes = (int64_t)sizeof(uint32_t) * 2 * cap * e->num_kv_heads * tile_elems;
-    if (!prefix_make_room(bytes - e->bytes)) return 0;
-    uint32_t *kv = (uint32_t *)malloc((size_t)bytes);
-    const int64_t full = keep / PF_KT, old = entry_elems(e, tile_elems), now = cap * e->num_kv_heads * tile_elems;
-    for (int plane = 0; plane < 2 && e->kv; plane++) /* K, then V */
-        for (int kh = 0; kh < e->num_kv_heads; kh++)
-            memcpy(kv + plane * now + kh * cap * tile_elems, e->kv + plane * old + kh * e->cap_tiles * tile_elems,
-                   sizeof(uint32_t) * (size_t)(full * tile_elems));
-    free(e->kv);
-    const int cap_pages = (int)(cap * PF_KT / e->block_size);
-    int64_t *epochs = (int64_t *)malloc((sizeof(int64_t) + sizeof(int32_t)) * (size_t)cap_pages);
-    int32_t *pages = (int32_t *)(epochs + cap_pages);
-    if (e->npages) {
-        memcpy(epochs, e->epochs, sizeof(int64_t) * (size_t)e->npages);
-        memcpy(pages, e->pages, sizeof(int32_t) * (size_t)e->npages);
-    }
-    free(e->epochs);
-    pc_bytes += bytes - e->bytes;
-    *e = (prefix_entry){e->cache, e->page_stride, e->block_size, e->num_kv_heads, e->d, e->tokens, e->npages,
-                        cap_pages, cap, epochs, pages, kv, bytes, e->used};
-    return 1;
-}
-
-/* A new, empty entry (NULL: no room for it). */
-static prefix_entry *prefix_new(const void *cache, int64_t page_stride, int block_size, int num_kv_heads, int d,
-                                int64_t tiles, int64_t tile_elems) {
-    prefix_entry *e = (prefix_entry *)malloc(sizeof(prefix_entry));
-    *e = (prefix_entry){cache, page_stride, block_size, num_kv_heads, d, 0, 0, 0, 0, NULL, NULL, NULL, 0, pc_clock};
-    if (!prefix_reserve(e, tiles, tile_elems, 0)) {
-        free(e);
-        return NULL;
-    }
-    if (pc_count == pc_cap) {
-        pc_cap = pc_cap ? 2 * pc_cap : 64;
-        pc_entries = (prefix_entry **)realloc(pc_entries, sizeof(prefix_entry *) * (size_t)pc_cap);
-    }
-    pc_entries[pc_count++] = e;
-    return e;
-}
-
-/* The entry for a group over `tokens` tokens of `pages`, ready for the kernel: found whole (*from set
- * to the tiles it holds, nothing to pack), grown in place from a shorter one (*from: its whole tiles),
- * or new (*from = 0). NULL: the cache has no room. */
-static prefix_entry *prefix_entry_for(const void *cache, int64_t page_stride, int block_size, int num_kv_heads,
-                                      int d, int tokens, const int32_t *pages, const int64_t *epochs,
-                                      int64_t tile_elems, int64_t *from) {
-    const int64_t tiles = (tokens + PF_KT - 1) / PF_KT;
-    prefix_entry *best = NULL;
-    for (int i = 0; i < pc_count; i++) {
-        prefix_entry *e = pc_entries[i];
-        if (e->used == pc_clock || !prefix_matches(e, cache, page_stride, block_size, num_kv_heads, d, tokens, pages,
-                                                   epochs))
-            continue;
-        if (!best || e->tokens > best->tokens) best = e;
-        if (best->tokens >= tokens) break;
-    }
-    if (best && best->tokens >= tokens) {
-        best->used = pc_clock;
-        *from = tiles;
-        pc_hits++;
-        return best;
-    }
-    if (best) {
-        best->used = pc_clock;
-        if (!prefix_reserve(best, tiles, tile_elems, best->tokens)) return NULL;
-        *from = best->tokens / PF_KT;
-        pc_grown++;
-    } else {
-        best = prefix_new(cache, page_stride, block_size, num_kv_heads, d, tiles, tile_elems);
-        if (!best) return NULL;
-        *from = 0;
-        pc_misses++;
-    }
-    for (int i = best->npages; i < tokens / block_size; i++) {
-        best->pages[i] = pages[i];
-        best->epochs[i] = epochs[pages[i]];
-    }
-    best->npages = tokens / block_size;
-    best->tokens = tokens;
-    return best;
-}
-
-/* Entries, bytes, and the groups that found their prefix packed (hits), packed it anew (misses) or
- * packed only the pages it had grown by (grown) since the last clear; and a way to empty it. */
-void cascade_cache_stats(int64_t *out) {
-    pthread_mutex_lock(&pc_lock);
-    out[0] = pc_count, out[1] = pc_bytes, out[2] = pc_hits, out[3] = pc_misses, out[4] = pc_grown;
-    pthread_mutex_unlock(&pc_lock);
-}
-
-void cascade_cache_clear(void) {
-    pthread_mutex_lock(&pc_lock);
-    while (pc_count) prefix_drop(pc_count - 1);
-    pc_hits = pc_misses = pc_grown = 0;
-    pthread_mutex_unlock(&pc_lock);
-}
-
-/* The bound in bytes (0: off; negative: TOKENOS_CASCADE_CACHE_MB again); entries past it go now. */
-void cascade_cache_set_limit(int64_t bytes) {
-    pthread_mutex_lock(&pc_lock);
-    pc_limit = bytes;
-    pc_clock++; /* nothing is in use between calls */
-    prefix_make_room(0);
-    pthread_mutex_unlock(&pc_lock);
-}
-
 /* Decodes sharing a cached prefix (cascade attention): csrc/paged_attention.c finds requests whose
  * block tables begin with the same pages and hands the common pages here, once per group. Their
- * keys and values are packed once per (group, KV head), or taken from the packed-prefix cache above
- * (epochs given), and every member's query heads of that KV head are rows of one item, as a prefill
+ * keys and values are packed once per (group, KV head), or taken from the packed-prefix cache
+ * (csrc/packed_prefix.h, epochs given), and every member's query heads of that KV head are rows of one item, as a prefill
  * chunk's tokens are: each packed tile serves all of them, on AMX tiles where present, where the
  * decode kernel would read the prefix once per request. The results are partials (unnormalized
  * outputs, max, sum per query head) that the decode kernel merges with its own over the rest of each
@@ -962,15 +776,7 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
     }
     packed_kv pk;
     packed_init(&pk, num_groups, k0, tokens, num_kv_heads, d);
-    int keep = 0;
-    if (epochs) {
-        pthread_mutex_lock(&pc_lock);
-        keep = prefix_limit() > 0;
-        if (keep)
-            pc_clock++;
-        else
-            pthread_mutex_unlock(&pc_lock);
-    }
+    const int keep = prefix_cache_begin(epochs);
     int *spare = (int *)malloc(sizeof(int) * (size_t)num_groups), nspare = 0; /* packed outside the cache */
     for (int j = 0; j < num_groups; j++) {
         prefix_entry *e = keep ? prefix_entry_for(cache, page_stride, block_size, num_kv_heads, d, tokens[j],
@@ -981,7 +787,7 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
             continue;
         }
         pk.kp[j] = e->kv;
-        pk.vp[j] = e->kv + entry_elems(e, pk.tile_elems);
+        pk.vp[j] = e->kv + prefix_entry_elems(e, pk.tile_elems);
         pk.hstride[j] = e->cap_tiles;
         if (pk.from[j] < pk.ntiles[j]) todo[ntodo++] = j;
     }
@@ -1028,7 +834,7 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
         }
         scratch_end(w, amx);
     }
-    if (keep) pthread_mutex_unlock(&pc_lock);
+    if (keep) prefix_cache_end();
     packed_free(&pk);
     free(item0); free(blocks); free(k0); free(todo);
 }
@@ -1049,8 +855,5 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
     (void)head_size; (void)scale; (void)window; (void)out; (void)out_stride;
     abort(); /* the caller checks paged_prefill_available() first */
 }
-void cascade_cache_stats(int64_t *out) { out[0] = out[1] = out[2] = out[3] = out[4] = 0; }
-void cascade_cache_clear(void) {}
-void cascade_cache_set_limit(int64_t bytes) { (void)bytes; }
 
 #endif
