@@ -209,10 +209,10 @@ static void pack_kv(const void *cache, const uint16_t *table, int64_t page_strid
     }
 }
 
-/* Scores of rows [0, rows) (a multiple of PF_RS) against one packed key tile: s[r][0..31] = scale * q_r . k. */
+/* Scores of rows [0, rows) (a multiple of PF_RS) against one packed key tile: s[r][0..31] = q_r . k,
+ * unscaled (softmax_step scales them). */
 static void tile_scores(const uint32_t *restrict qb, const uint32_t *restrict kt, int rows, int d,
-                        float scale, float *restrict s) {
-    const __m512 sc = _mm512_set1_ps(scale);
+                        float *restrict s) {
     for (int r0 = 0; r0 < rows; r0 += PF_RS) {
         __m512 lo[PF_RS], hi[PF_RS];
         for (int r = 0; r < PF_RS; r++) lo[r] = hi[r] = _mm512_setzero_ps();
@@ -226,8 +226,8 @@ static void tile_scores(const uint32_t *restrict qb, const uint32_t *restrict kt
             }
         }
         for (int r = 0; r < PF_RS; r++) {
-            _mm512_storeu_ps(s + (int64_t)(r0 + r) * PF_KT, _mm512_mul_ps(lo[r], sc));
-            _mm512_storeu_ps(s + (int64_t)(r0 + r) * PF_KT + 16, _mm512_mul_ps(hi[r], sc));
+            _mm512_storeu_ps(s + (int64_t)(r0 + r) * PF_KT, lo[r]);
+            _mm512_storeu_ps(s + (int64_t)(r0 + r) * PF_KT + 16, hi[r]);
         }
     }
 }
@@ -252,45 +252,65 @@ static inline void rows_commit(float *m, float *l, float *alpha, int r0, __mmask
     _mm512_mask_storeu_ps(alpha + r0, lanes, a);
 }
 
-/* Online softmax over one tile for each row: keys kpos0 + [0, PF_KT) visible to row r are those in
- * [lo_r, hi_r] (lo_r/hi_r from its position and the window). Writes p as bf16 pairs and the factor
- * alpha the row's outputs are rescaled by; rows seeing no key of the tile get p = 0, alpha = 1.
- * cap > 0: the scores are soft-capped (cap * tanh(s / cap)) before the mask, as the models define it.
- * Rows go 16 at a time so that their maxima, sums and rescale factors are vectors: one
- * transpose-and-reduce (max16 / sum16) and one exp for 16 rows instead of two horizontal
- * reductions and a scalar exp per row. m, l, alpha have room for whole blocks of 16 (PF_MAX_ROWS). */
-static void tile_softmax(const float *restrict s, const int *restrict row_pos, int rows, int kpos0,
-                         int window, float cap, float *restrict m, float *restrict l, float *restrict alpha,
-                         uint32_t *restrict p) {
-    const __m512 neg = _mm512_set1_ps(-INFINITY);
+/* exp16 (exp(x), 0 below -87, so 0 for a masked key's -inf) in 12 operations instead of 17: vexp's
+ * polynomial with the exponent applied by a zero-masked vscalefps. The argument is held at -126 so
+ * that no lane ever computes a subnormal or an underflow, even one masked away afterwards: each such
+ * lane costs a microcode assist on these CPUs (letting them through made prefill attention 1.35x
+ * slower). */
+static inline __m512 exp_softmax16(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+    const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
+    const __m512 fn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* fn = -126 only with f >= 0: 2^f >= 1 keeps the result normal */
+    const __m512 p = exp2_poly16(_mm512_sub_ps(t, fn));
+    return _mm512_maskz_scalef_ps(keep, p, fn);
+}
+
+/* Lanes [base, base + 16) of the keys [lo, hi] of a step. */
+static inline __mmask16 span16(int lo, int hi, int base) {
+    int a = lo - base, b = hi - base;
+    if (a < 0) a = 0;
+    if (b > 15) b = 15;
+    return b < a ? (__mmask16)0 : (__mmask16)((2u << b) - (1u << a));
+}
+
+/* One online-softmax step for each row over nkeys keys (a multiple of 32) from kpos0, their scores
+ * s[r][0 .. nkeys) (row stride ss floats, unscaled): keys visible to row r are those in [lo_r, hi_r]
+ * (from its position and the window). The scores are scaled, soft-capped (cap > 0: cap * tanh(s /
+ * cap), before the mask, as the models define it) and masked in place to -inf, then exponentiated
+ * against the rows' new maxima into p (bf16 pairs, row stride ss / 2) with the factor alpha the
+ * row's outputs are rescaled by; rows seeing no key of the step get p = 0, alpha = 1. Rows go 16 at a
+ * time so that their maxima, sums and rescale factors are vectors: one transpose-and-reduce (max16 /
+ * sum16) and one exp for 16 rows instead of two horizontal reductions and a scalar exp per row. The
+ * AVX-512 path takes a tile (32 keys) per step, the AMX path a block of PF_BT tiles. m, l, alpha
+ * have room for whole blocks of 16 (PF_MAX_ROWS). */
+static void softmax_step(float *restrict s, int ss, const int *restrict row_pos, int rows, int kpos0, int nkeys,
+                         int window, float scale, float cap, float *restrict m, float *restrict l,
+                         float *restrict alpha, uint32_t *restrict p) {
+    const __m512 neg = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
     const __m512 capv = _mm512_set1_ps(cap), inv_cap = _mm512_set1_ps(cap > 0.f ? 1.f / cap : 0.f);
     for (int r0 = 0; r0 < rows; r0 += 16) {
         const int nr = rows - r0 < 16 ? rows - r0 : 16;
         const __mmask16 lanes = (__mmask16)((1u << nr) - 1);
-        __m512 s0[16], s1[16], mx[16], sums[16];
-        __mmask16 k0[16], k1[16], live = 0;
+        __m512 mx[16], sums[16];
+        __mmask16 live = 0;
         for (int i = 0; i < 16; i++) {
             mx[i] = neg;
             if (i >= nr) continue;
             const int pos = row_pos[r0 + i];
-            int lo = window > 0 ? pos - window + 1 - kpos0 : -kpos0;
-            int hi = pos - kpos0;
+            int lo = window > 0 ? pos - window + 1 - kpos0 : 0, hi = pos - kpos0;
             if (lo < 0) lo = 0;
-            if (hi > PF_KT - 1) hi = PF_KT - 1;
+            if (hi > nkeys - 1) hi = nkeys - 1;
             if (pos < 0 || hi < lo) continue;
             live |= (__mmask16)(1u << i);
-            const uint32_t bits = (uint32_t)(((uint64_t)2 << hi) - ((uint64_t)1 << lo));
-            k0[i] = (__mmask16)(bits & 0xffffu);
-            k1[i] = (__mmask16)(bits >> 16);
-            const float *sr = s + (int64_t)(r0 + i) * PF_KT;
-            __m512 raw0 = _mm512_loadu_ps(sr), raw1 = _mm512_loadu_ps(sr + 16);
-            if (cap > 0.f) {
-                raw0 = softcap16(raw0, capv, inv_cap);
-                raw1 = softcap16(raw1, capv, inv_cap);
+            float *sr = s + (int64_t)(r0 + i) * ss;
+            for (int v = 0; v < nkeys; v += 16) {
+                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + v), sc);
+                if (cap > 0.f) x = softcap16(x, capv, inv_cap);
+                x = _mm512_mask_mov_ps(neg, span16(lo, hi, v), x);
+                _mm512_storeu_ps(sr + v, x);
+                mx[i] = _mm512_max_ps(mx[i], x);
             }
-            s0[i] = _mm512_mask_mov_ps(neg, k0[i], raw0);
-            s1[i] = _mm512_mask_mov_ps(neg, k1[i], raw1);
-            mx[i] = _mm512_max_ps(s0[i], s1[i]);
         }
         float mn[16] __attribute__((aligned(64)));
         __m512 m_new;
@@ -298,16 +318,19 @@ static void tile_softmax(const float *restrict s, const int *restrict row_pos, i
         for (int i = 0; i < 16; i++) {
             sums[i] = _mm512_setzero_ps();
             if (i >= nr) continue;
-            uint32_t *pr = p + (int64_t)(r0 + i) * (PF_KT / 2);
+            uint32_t *pr = p + (int64_t)(r0 + i) * (ss / 2);
             if (!((live >> i) & 1)) {
-                _mm512_storeu_si512(pr, _mm512_setzero_si512());
+                memset(pr, 0, sizeof(uint32_t) * (size_t)(nkeys / 2));
                 continue;
             }
             const __m512 mv = _mm512_set1_ps(mn[i]);
-            const __m512 e0 = _mm512_maskz_mov_ps(k0[i], exp16(_mm512_sub_ps(s0[i], mv)));
-            const __m512 e1 = _mm512_maskz_mov_ps(k1[i], exp16(_mm512_sub_ps(s1[i], mv)));
-            sums[i] = _mm512_add_ps(e0, e1);
-            _mm512_storeu_si512(pr, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            const float *sr = s + (int64_t)(r0 + i) * ss;
+            for (int v = 0; v < nkeys; v += 32) { /* masked keys are -inf: exactly 0 */
+                const __m512 e0 = exp_softmax16(_mm512_sub_ps(_mm512_loadu_ps(sr + v), mv));
+                const __m512 e1 = exp_softmax16(_mm512_sub_ps(_mm512_loadu_ps(sr + v + 16), mv));
+                sums[i] = _mm512_add_ps(sums[i], _mm512_add_ps(e0, e1));
+                _mm512_storeu_si512(pr + v / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+            }
         }
         rows_commit(m, l, alpha, r0, lanes, m_new, a, sums);
     }
@@ -369,28 +392,6 @@ static tile_pv_fn pv_for(int d) {
  * caller pads with zero queries), head sizes in multiples of 32. Tiles: 0, 1 accumulate, 2 holds A,
  * 3, 4 hold B. */
 
-/* exp16 (exp(x), 0 below -87, so 0 for a masked key's -inf) in 12 operations instead of 17: vexp's
- * polynomial with the exponent applied by a zero-masked vscalefps. The argument is held at -126 so
- * that no lane ever computes a subnormal or an underflow, even one masked away afterwards: each such
- * lane costs a microcode assist on these CPUs (letting them through made prefill attention 1.35x
- * slower). */
-static inline __m512 exp_softmax16(__m512 x) {
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-    const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
-    const __m512 fn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    /* fn = -126 only with f >= 0: 2^f >= 1 keeps the result normal */
-    const __m512 p = exp2_poly16(_mm512_sub_ps(t, fn));
-    return _mm512_maskz_scalef_ps(keep, p, fn);
-}
-
-/* Lanes [16 * v, 16 * v + 16) of the keys [lo, hi] of a block. */
-static inline __mmask16 span16(int lo, int hi, int base) {
-    int a = lo - base, b = hi - base;
-    if (a < 0) a = 0;
-    if (b > 15) b = 15;
-    return b < a ? (__mmask16)0 : (__mmask16)((2u << b) - (1u << a));
-}
-
 /* s[r][t * PF_KT ..] = q_r . k over the block's nt tiles, unscaled (row stride PF_BS floats). */
 static void block_scores_amx(const uint32_t *restrict qb, const uint32_t *restrict kp, int nt, int rows, int d,
                              float *restrict s) {
@@ -409,60 +410,6 @@ static void block_scores_amx(const uint32_t *restrict qb, const uint32_t *restri
             _tile_stored(0, s + (int64_t)r0 * PF_BS + t * PF_KT, PF_BS * 4);
             _tile_stored(1, s + (int64_t)r0 * PF_BS + t * PF_KT + 16, PF_BS * 4);
         }
-}
-
-/* tile_softmax over a block of nkeys (a multiple of PF_KT) keys from kpos0: the scores are scaled (and
- * soft-capped) here, masked in place to -inf, then exponentiated against the block's new maxima. */
-static void block_softmax(float *restrict s, const int *restrict row_pos, int rows, int kpos0, int nkeys,
-                          int window, float scale, float cap, float *restrict m, float *restrict l,
-                          float *restrict alpha, uint32_t *restrict p) {
-    const __m512 neg = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
-    const __m512 capv = _mm512_set1_ps(cap), inv_cap = _mm512_set1_ps(cap > 0.f ? 1.f / cap : 0.f);
-    for (int r0 = 0; r0 < rows; r0 += 16) {
-        const int nr = rows - r0 < 16 ? rows - r0 : 16;
-        const __mmask16 lanes = (__mmask16)((1u << nr) - 1);
-        __m512 mx[16], sums[16];
-        __mmask16 live = 0;
-        for (int i = 0; i < 16; i++) {
-            mx[i] = neg;
-            if (i >= nr) continue;
-            const int pos = row_pos[r0 + i];
-            int lo = window > 0 ? pos - window + 1 - kpos0 : 0, hi = pos - kpos0;
-            if (lo < 0) lo = 0;
-            if (hi > nkeys - 1) hi = nkeys - 1;
-            if (pos < 0 || hi < lo) continue;
-            live |= (__mmask16)(1u << i);
-            float *sr = s + (int64_t)(r0 + i) * PF_BS;
-            for (int v = 0; v < nkeys; v += 16) {
-                __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + v), sc);
-                if (cap > 0.f) x = softcap16(x, capv, inv_cap);
-                x = _mm512_mask_mov_ps(neg, span16(lo, hi, v), x);
-                _mm512_storeu_ps(sr + v, x);
-                mx[i] = _mm512_max_ps(mx[i], x);
-            }
-        }
-        float mn[16] __attribute__((aligned(64)));
-        __m512 m_new;
-        const __m512 a = rows_rescale(m, r0, lanes, live, mx, &m_new, mn);
-        for (int i = 0; i < 16; i++) {
-            sums[i] = _mm512_setzero_ps();
-            if (i >= nr) continue;
-            uint32_t *pr = p + (int64_t)(r0 + i) * (PF_BS / 2);
-            if (!((live >> i) & 1)) {
-                memset(pr, 0, sizeof(uint32_t) * (size_t)(nkeys / 2));
-                continue;
-            }
-            const __m512 mv = _mm512_set1_ps(mn[i]);
-            const float *sr = s + (int64_t)(r0 + i) * PF_BS;
-            for (int v = 0; v < nkeys; v += 32) { /* masked keys are -inf: exactly 0 */
-                const __m512 e0 = exp_softmax16(_mm512_sub_ps(_mm512_loadu_ps(sr + v), mv));
-                const __m512 e1 = exp_softmax16(_mm512_sub_ps(_mm512_loadu_ps(sr + v + 16), mv));
-                sums[i] = _mm512_add_ps(sums[i], _mm512_add_ps(e0, e1));
-                _mm512_storeu_si512(pr + v / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-            }
-        }
-        rows_commit(m, l, alpha, r0, lanes, m_new, a, sums);
-    }
 }
 
 /* o[r] = alpha[r] * o[r] + p[r] V over the block's nt value tiles: the products accumulate in tiles
@@ -498,7 +445,6 @@ static int prefill_amx(int d) { return d % 32 == 0 && kernels_amx_ready(); }
 #else
 static int prefill_amx(int d) { (void)d; return 0; }
 #define block_scores_amx(qb, kp, nt, rows, d, s) ((void)(nt), abort())
-#define block_softmax(s, row_pos, rows, kpos0, nkeys, window, scale, cap, m, l, alpha, p) abort()
 #define block_pv_amx(p, vp, nt, alpha, rows, d, o, pv) abort()
 #endif
 
@@ -528,8 +474,8 @@ static void attend_rows(const uint32_t *kp, const uint32_t *vp, int kbase, int t
         for (int b0 = tile0; b0 < tile1; b0 += PF_BT) {
             const int nt = tile1 - b0 < PF_BT ? tile1 - b0 : PF_BT;
             block_scores_amx(w->qb, kp + (int64_t)b0 * (d / 2) * PF_KT, nt, rows, d, w->s);
-            block_softmax(w->s, w->pos, rows, kbase + b0 * PF_KT, nt * PF_KT, window, scale, cap, w->m, w->l,
-                          w->alpha, w->p);
+            softmax_step(w->s, PF_BS, w->pos, rows, kbase + b0 * PF_KT, nt * PF_KT, window, scale, cap, w->m,
+                         w->l, w->alpha, w->p);
             block_pv_amx(w->p, vp + (int64_t)b0 * (PF_KT / 2) * d, nt, w->alpha, rows, d, w->o, w->pv);
         }
         return;
@@ -538,8 +484,9 @@ static void attend_rows(const uint32_t *kp, const uint32_t *vp, int kbase, int t
     for (int tile = tile0; tile < tile1; tile++) {
         const uint32_t *kt = kp + (int64_t)tile * (d / 2) * PF_KT;
         const uint32_t *vt = vp + (int64_t)tile * (PF_KT / 2) * d;
-        tile_scores(w->qb, kt, rows, d, scale, w->s);
-        tile_softmax(w->s, w->pos, rows, kbase + tile * PF_KT, window, cap, w->m, w->l, w->alpha, w->p);
+        tile_scores(w->qb, kt, rows, d, w->s);
+        softmax_step(w->s, PF_KT, w->pos, rows, kbase + tile * PF_KT, PF_KT, window, scale, cap, w->m, w->l,
+                     w->alpha, w->p);
         pv(w->p, vt, w->alpha, rows, w->o);
     }
 }
