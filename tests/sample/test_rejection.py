@@ -189,6 +189,20 @@ def test_greedy_accepts_all_then_the_bonus() -> None:
     assert out.token_ids == [[5, 6]] and out.num_accepted == [1]
 
 
+
+def test_greedy_verification_edits_only_through_a_stage_that_edits() -> None:
+    # All-greedy batches with nothing to edit take the argmax of the caller's logits (no copy); a bias
+    # still moves it, and the caller's logits stay as they were either way.
+    logits = torch.full((2, VOCAB), -1.0)
+    logits[0, 5], logits[1, 6], logits[1, 4] = 3.0, 3.0, 2.5
+    before = logits.clone()
+    plain = [EngineSamplingParams(temperature=0.0)]
+    assert verify(state_of(plain, [[]]), logits, [[5]]).token_ids == [[5, 6]]
+    biased = [EngineSamplingParams(temperature=0.0, logit_bias={4: 1.0})]
+    assert verify(state_of(biased, [[]]), logits, [[5]]).token_ids == [[5, 4]]
+    assert torch.equal(logits, before)
+
+
 # ---------------------------------------------------------------- random: the emitted distribution
 
 
