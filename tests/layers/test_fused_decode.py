@@ -46,7 +46,8 @@ def _run(folder, monkeypatch, fused: bool, prompts, n=1, passes=1, max_query=1, 
     fresh `LLM`; a second pass hits the prefix cache. ``max_query`` 1: decode-only steps alone are fused
     (those equal the module path bit for bit)."""
     monkeypatch.setenv("TOKENOS_DISABLE_FUSED_DECODE", "0" if fused else "1")
-    monkeypatch.setattr(FusedDecodePlan, "max_query", max_query)
+    if max_query is not None:  # None: the plan's own limits
+        monkeypatch.setattr(FusedDecodePlan, "max_query", max_query)
     taken = []
     original = FusedDecodePlan.run
     monkeypatch.setattr(FusedDecodePlan, "run", lambda self, *a: taken.append(1) or original(self, *a))
@@ -116,6 +117,34 @@ def test_disabled_by_environment(tmp_path, monkeypatch):
     assert _stack(llm)._fused is None
 
 
+def _check_verify_steps(folder, monkeypatch, prompts, spec, max_query, tolerance, **kwargs):
+    """Runs ``prompts`` fused with speculation, fused without, and through the module path with it:
+    greedy tokens equal in all three, logprobs within ``tolerance`` of the module path's. Returns the
+    query lengths of each fused step and the speculating run's metrics."""
+    steps = []
+    original = FusedDecodePlan._step
+    monkeypatch.setattr(
+        FusedDecodePlan,
+        "_step",
+        lambda self, meta, batch, *a: (
+            steps.append((meta.num_reqs, meta.query_lens_list)) or original(self, meta, batch, *a)
+        ),
+    )
+    fused, _, taken, metrics = _run(
+        folder, monkeypatch, True, prompts, max_query=max_query, speculative_config=spec, **kwargs
+    )
+    assert taken and metrics["spec_decoding"]["num_accepted_tokens"] > 0
+    plain, *_ = _run(folder, monkeypatch, True, prompts, max_query=max_query, **kwargs)
+    module, *_ = _run(folder, monkeypatch, False, prompts, speculative_config=spec, **kwargs)
+    tokens = [[sample[0] for sample in out] for out in fused[0]]
+    assert tokens == [[sample[0] for sample in out] for out in plain[0]]
+    assert tokens == [[sample[0] for sample in out] for out in module[0]]
+    ours = [lp for out in fused[0] for sample in out for lp in sample[1]]
+    theirs = [lp for out in module[0] for sample in out for lp in sample[1]]
+    assert ours == pytest.approx(theirs, abs=tolerance)
+    return steps
+
+
 def test_verify_steps_attend_as_decodes_of_their_own_length(tmp_path, monkeypatch):
     """Speculation's verify steps (a decode and its drafts per request) are fused too: each token attends
     through the decode kernel up to its own position. Greedy output equals no speculation, and
@@ -127,27 +156,8 @@ def test_verify_steps_attend_as_decodes_of_their_own_length(tmp_path, monkeypatc
     prompts = [p * 4 for p in base]  # repeats: n-gram drafts get accepted
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     kwargs = dict(quantization="int4", max_num_seqs=3, block_size=16)
-    multi = []
-    original = FusedDecodePlan._step
-    monkeypatch.setattr(
-        FusedDecodePlan,
-        "_step",
-        lambda self, meta, batch, *a: (
-            multi.append(meta.num_reqs < batch.input_ids.shape[0]) or original(self, meta, batch, *a)
-        ),
-    )
-    fused, _, taken, metrics = _run(
-        folder, monkeypatch, True, prompts, max_query=8, speculative_config=spec, **kwargs
-    )
-    assert taken and any(multi) and metrics["spec_decoding"]["num_accepted_tokens"] > 0
-    plain, *_ = _run(folder, monkeypatch, True, prompts, max_query=8, **kwargs)
-    module, *_ = _run(folder, monkeypatch, False, prompts, speculative_config=spec, **kwargs)
-    tokens = [[sample[0] for sample in out] for out in fused[0]]
-    assert tokens == [[sample[0] for sample in out] for out in plain[0]]
-    assert tokens == [[sample[0] for sample in out] for out in module[0]]
-    ours = [lp for out in fused[0] for sample in out for lp in sample[1]]
-    theirs = [lp for out in module[0] for sample in out for lp in sample[1]]
-    assert ours == pytest.approx(theirs, abs=1e-4)
+    steps = _check_verify_steps(folder, monkeypatch, prompts, spec, 8, 1e-4, **kwargs)
+    assert any(reqs < sum(lens) for reqs, lens in steps)
 
 
 @pytest.mark.skipif(
@@ -164,24 +174,8 @@ def test_long_verify_steps_are_fused_where_cascade_groups_a_request(tmp_path, mo
     prompts = [p * 4 for p in base]  # periods past 12 tokens: whole 12-token drafts to follow
     spec = {"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_max": 4}
     kwargs = dict(quantization="int4", max_num_seqs=1, block_size=16, dtype="bfloat16")
-    longest = []
-    original = FusedDecodePlan._step
-    monkeypatch.setattr(
-        FusedDecodePlan,
-        "_step",
-        lambda self, meta, batch, *a: (
-            longest.append(max(meta.query_lens_list)) or original(self, meta, batch, *a)
-        ),
-    )
-    fused, _, _, metrics = _run(
-        folder, monkeypatch, True, prompts, max_query=16, speculative_config=spec, **kwargs
-    )
-    assert max(longest) > 8 and metrics["spec_decoding"]["num_accepted_tokens"] > 0
-    plain, *_ = _run(folder, monkeypatch, True, prompts, max_query=16, **kwargs)
-    module, *_ = _run(folder, monkeypatch, False, prompts, speculative_config=spec, **kwargs)
-    tokens = [[sample[0] for sample in out] for out in fused[0]]
-    assert tokens == [[sample[0] for sample in out] for out in plain[0]]
-    assert tokens == [[sample[0] for sample in out] for out in module[0]]
-    ours = [lp for out in fused[0] for sample in out for lp in sample[1]]
-    theirs = [lp for out in module[0] for sample in out for lp in sample[1]]
-    assert ours == pytest.approx(theirs, abs=0.05)
+    steps = _check_verify_steps(folder, monkeypatch, prompts, spec, None, 0.05, **kwargs)
+    assert max(max(lens) for _, lens in steps) > 8
+    # float32 pages: no cascade, so each token would read its whole context; 8 tokens a request at most.
+    plan = _run(folder, monkeypatch, True, prompts[:1], max_query=None, quantization="int4")[1]
+    assert plan is not None and not plan.grouped
