@@ -189,7 +189,6 @@ def test_greedy_accepts_all_then_the_bonus() -> None:
     assert out.token_ids == [[5, 6]] and out.num_accepted == [1]
 
 
-
 def test_greedy_verification_edits_only_through_a_stage_that_edits() -> None:
     # All-greedy batches with nothing to edit take the argmax of the caller's logits (no copy); a bias
     # still moves it, and the caller's logits stay as they were either way.
