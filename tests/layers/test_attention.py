@@ -232,12 +232,30 @@ def shared_tables(groups: list[tuple[int, list[int]]], block_size: int, rng: ran
     return [n for n, _ in rows], [t for _, t in rows], first
 
 
-def test_c_kernel_cascade_over_shared_pages_matches_torch_path(monkeypatch):
+_RNG_LENS = random.Random(7)
+CASCADE_GROUPS = {
+    "many": [
+        (32, [520, 530, 600, 513, 700]),
+        (10, [170, 161, 200]),
+        (3, [60, 70]),  # 48 shared tokens: too few for a group
+        (40, [_RNG_LENS.randint(641, 900) for _ in range(20)]),
+        (8, [129, 300]),
+        (20, [100, 330, 400]),  # the first member's context ends inside the shared pages
+        (0, [50, 600, 1]),
+    ],
+    # One group of 9 (a request's decode and 8 drafts): fewer items than threads' worth, so the
+    # members are spread over more items.
+    "one": [(18, [300 + i for i in range(9)])],
+}
+
+
+@pytest.mark.parametrize("case", list(CASCADE_GROUPS))
+def test_c_kernel_cascade_over_shared_pages_matches_torch_path(monkeypatch, case):
     """Decodes whose block tables share leading pages (a system prompt's, n samples'): the kernel attends
     the common pages once per group (cascade) and merges with each request's own tokens. Groups of 2 to
     20, members sharing different numbers of pages (the group takes what all share), members whose
-    context ends inside the shared pages, a group sharing too little to be one, single requests; against
-    the float32 torch path and against the kernel with cascade off."""
+    context ends inside the shared pages, a group sharing too little to be one, single requests; one
+    small group alone; against the float32 torch path and against the kernel with cascade off."""
     import tokenos.layers.attention as attention
     from tokenos.layers import cpu_kernels
 
@@ -246,16 +264,7 @@ def test_c_kernel_cascade_over_shared_pages_matches_torch_path(monkeypatch):
     rng = random.Random(7)
     torch.manual_seed(7)
     block_size = 16
-    groups = [
-        (32, [520, 530, 600, 513, 700]),
-        (10, [170, 161, 200]),
-        (3, [60, 70]),  # 48 shared tokens: too few for a group
-        (40, [rng.randint(641, 900) for _ in range(20)]),
-        (8, [129, 300]),
-        (20, [100, 330, 400]),  # the first member's context ends inside the shared pages
-        (0, [50, 600, 1]),
-    ]
-    lens, tables, pool = shared_tables(groups, block_size, rng)
+    lens, tables, pool = shared_tables(CASCADE_GROUPS[case], block_size, rng)
     heads, kv_heads, d = 9, 3, 64
     cache = torch.randn(pool, 2, block_size, kv_heads, d).to(torch.bfloat16)
     q = torch.randn(len(lens), heads, d)

@@ -715,11 +715,21 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
     const int32_t **blocks = (const int32_t **)malloc(sizeof(*blocks) * (size_t)num_groups);
     int *k0 = (int *)calloc((size_t)num_groups, sizeof(int)); /* every group's keys from 0 */
     int *todo = (int *)malloc(sizeof(int) * (size_t)num_groups), ntodo = 0;
+    /* Members per item: up to SP_MEMBERS, fewer where whole chunks would leave threads idle. */
+    int *per = (int *)malloc(sizeof(int) * (size_t)num_groups);
+    int64_t whole = 0;
+    for (int j = 0; j < num_groups; j++)
+        whole += (int64_t)num_kv_heads * ((member0[j + 1] - member0[j] + SP_MEMBERS - 1) / SP_MEMBERS);
+    const int64_t want = 2 * (int64_t)omp_get_max_threads();
+    const int64_t spread = whole >= want ? 1 : (want + whole - 1) / whole;
     item0[0] = 0;
     for (int j = 0; j < num_groups; j++) {
         blocks[j] = block_table + (int64_t)members[member0[j]] * max_blocks;
         const int count = member0[j + 1] - member0[j];
-        item0[j + 1] = item0[j] + (int64_t)num_kv_heads * ((count + SP_MEMBERS - 1) / SP_MEMBERS);
+        int64_t chunks = (count + SP_MEMBERS - 1) / SP_MEMBERS * spread;
+        if (chunks > count) chunks = count;
+        per[j] = (int)((count + chunks - 1) / chunks);
+        item0[j + 1] = item0[j] + (int64_t)num_kv_heads * ((count + per[j] - 1) / per[j]);
     }
     packed_kv pk;
     packed_init(&pk, num_groups, k0, tokens, num_kv_heads, d);
@@ -751,8 +761,8 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
             const int j = unit_of(item0, it);
             const int64_t local = it - item0[j];
             const int kh = (int)(local % num_kv_heads), chunk = (int)(local / num_kv_heads);
-            const int m0 = member0[j] + chunk * SP_MEMBERS;
-            const int m1 = m0 + SP_MEMBERS < member0[j + 1] ? m0 + SP_MEMBERS : member0[j + 1];
+            const int m0 = member0[j] + chunk * per[j];
+            const int m1 = m0 + per[j] < member0[j + 1] ? m0 + per[j] : member0[j + 1];
             const int live = (m1 - m0) * g, block = amx ? 16 : PF_RS;
             const int rows = (live + block - 1) / block * block;
             for (int r = 0; r < rows; r++) {
@@ -783,7 +793,7 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
     }
     if (keep) prefix_cache_end();
     packed_free(&pk);
-    free(item0); free(blocks); free(k0); free(todo);
+    free(item0); free(blocks); free(k0); free(todo); free(per);
 }
 
 #else
