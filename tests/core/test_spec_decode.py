@@ -85,7 +85,15 @@ def test_config_takes_vllms_dict_and_refuses_what_it_does_not_build():
     config = SpeculativeConfig.parse(
         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5}'
     )
-    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 1, 5)
+    assert (config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max) == (3, 5, 5)
+    # vLLM 0.32's resolution of the lookup window: one bound given, the other equals it; neither, 5 and 5.
+    lookups = {"prompt_lookup_min": (2, 2), "prompt_lookup_max": (5, 5)}
+    for key, want in lookups.items():
+        config = SpeculativeConfig.parse({"method": "ngram", key: want[0]})
+        assert (config.prompt_lookup_min, config.prompt_lookup_max) == want
+    config = SpeculativeConfig.parse({"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 4})
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (1, 4)
+    assert (SpeculativeConfig().prompt_lookup_min, SpeculativeConfig().prompt_lookup_max) == (5, 5)
     assert SpeculativeConfig.parse(None) is None
     with pytest.raises(ValueError, match="not built in tokenos"):
         SpeculativeConfig.parse({"method": "eagle", "num_speculative_tokens": 2})

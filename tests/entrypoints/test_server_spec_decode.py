@@ -16,7 +16,7 @@ from tokenos import SamplingParams
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PROMPTS = ["one two three one two three one two", "a b c d a b c d a b", "the cat sat on the mat and the"]
 
 

@@ -154,7 +154,7 @@ def test_verify_steps_attend_as_decodes_of_their_own_length(tmp_path, monkeypatc
     save_tiny("llama", folder, **LLM_SHAPE)
     base = random_prompts(4, 4, 8, seed=9, vocab=LLM_SHAPE["vocab_size"])
     prompts = [p * 4 for p in base]  # repeats: n-gram drafts get accepted
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     kwargs = dict(quantization="int4", max_num_seqs=3, block_size=16)
     steps = _check_verify_steps(folder, monkeypatch, prompts, spec, 8, 1e-4, **kwargs)
     assert any(reqs < sum(lens) for reqs, lens in steps)
@@ -172,7 +172,7 @@ def test_long_verify_steps_are_fused_where_cascade_groups_a_request(tmp_path, mo
     # bf16: kernels that sum in another order may flip a near-tie (seeds 3 and 11 have one); seed 1 none.
     base = random_prompts(3, 16, 20, seed=1, vocab=LLM_SHAPE["vocab_size"])
     prompts = [p * 4 for p in base]  # periods past 12 tokens: whole 12-token drafts to follow
-    spec = {"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_max": 4}
+    spec = {"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     kwargs = dict(quantization="int4", max_num_seqs=1, block_size=16, dtype="bfloat16")
     steps = _check_verify_steps(folder, monkeypatch, prompts, spec, None, 0.05, **kwargs)
     assert max(max(lens) for _, lens in steps) > 8

@@ -152,7 +152,7 @@ def test_one_adapter_alone_runs_merged(setup, monkeypatch):
 def test_speculative_decoding_under_adapters(setup):
     """n-gram drafts verified in the adapters' own forward pass: greedy output unchanged, drafts accepted."""
     base_folder, base, refs, loras = setup
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     llm = make_llm(base_folder, enable_lora=True, max_loras=2, max_lora_rank=16, speculative_config=spec)
     motifs = DENSE.prompts(3, 4, 6, seed=9)
     prompts = [(m * 6)[:30] for m in motifs]  # repeats for prompt lookup to find

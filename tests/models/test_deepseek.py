@@ -404,6 +404,7 @@ def test_llm_greedy_parity_with_ngram_drafts(tmp_path):
     ngram = {
         "method": "ngram",
         "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
         "prompt_lookup_max": 3,
         "disable_by_batch_size": 64,
     }

@@ -25,7 +25,13 @@ FAMILIES = ("mamba2", "bamba", "qwen3_next", "granitemoehybrid", "falcon_h1", "n
 # family runs `test_greedy_parity_with_speculation`), so the suite stays within its time on a slow CPU.
 DEEP = pytest.mark.parametrize("family", ["bamba", "qwen3_next"], indirect=True)
 K = 4  # drafts per step (the tiny models' recurrent pages are 32 tokens in align mode, 8 below)
-SPEC = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "disable_by_batch_size": 64}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": K,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": 64,
+}
 FAST = dict(num_kv_blocks=600)  # a small pool: engines start in a second
 ALL_8 = dict(mamba_cache_mode="all", mamba_checkpoint_interval=8)
 

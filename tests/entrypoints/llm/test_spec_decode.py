@@ -16,7 +16,13 @@ from tokenos import SamplingParams
 from tokenos.bench.recording import record_schedules
 
 # Speculation on at any batch size here (the default turns it off above 8 running requests).
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": 64}
+NGRAM = {
+    "method": "ngram",
+    "num_speculative_tokens": 4,
+    "prompt_lookup_min": 1,
+    "prompt_lookup_max": 3,
+    "disable_by_batch_size": 64,
+}
 
 
 def repetitive_prompts(n: int, seed: int) -> list[list[int]]:

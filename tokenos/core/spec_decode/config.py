@@ -35,8 +35,9 @@ class SpeculativeConfig:
     method: str = "ngram"
     # For "suffix" a maximum: the proposer picks each draft's length (vLLM defaults it to the tree depth).
     num_speculative_tokens: int | None = None
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
+    # vLLM's resolution: one given, the other equals it; neither, both 5 (`__post_init__`).
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
     disable_by_batch_size: int = DEFAULT_DISABLE_BY_BATCH_SIZE
     # Suffix decoding (vLLM's names and defaults).
     suffix_decoding_max_tree_depth: int = 24
@@ -70,6 +71,9 @@ class SpeculativeConfig:
             object.__setattr__(self, "num_speculative_tokens", default)
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}.")
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        object.__setattr__(self, "prompt_lookup_min", lo if lo is not None else hi if hi is not None else 5)
+        object.__setattr__(self, "prompt_lookup_max", hi if hi is not None else self.prompt_lookup_min)
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 "need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
