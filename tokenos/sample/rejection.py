@@ -65,10 +65,7 @@ class RejectionSampler:
             return RejectionSamplerOutput(token_ids=[], logprobs=[], num_accepted=[])
         dev = logits.device
         md = metadata
-        if md.all_greedy and not md.edits_logits:
-            processed = logits  # as `Sampler`: nothing edits them and no row draws, so no copy
-        else:
-            processed = self.sampler.process_logits(logits.to(torch.float32, copy=True), md)
+        processed = self.sampler.processed(logits, md)
         target = ops.greedy_ids(processed) if not md.all_random else None
         flat = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64).to(dev)  # -1: bonus
         if md.all_greedy:

@@ -35,19 +35,21 @@ class Sampler:
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
-        if metadata.all_greedy and not metadata.edits_logits:
-            # Nothing edits the logits and no row draws: the argmax of the caller's own (at batch 64 the
-            # float32 copy of [64, 49152] logits was 2-3% of a decode step).
-            sampled = ops.greedy_ids(logits)
-        else:
-            # Our own float32 copy: the stages below edit it in place and the caller keeps its logits.
-            logits = self.process_logits(logits.to(torch.float32, copy=True), metadata)
-            sampled = self.sample(logits, metadata)
+        sampled = self.sample(self.processed(logits, metadata), metadata)
         if raw_logprobs is None:
             logprobs: list[TokenLogprobs | None] = [None] * metadata.num_reqs
         else:
             logprobs = gather_logprobs(raw_logprobs, sampled, metadata.num_logprobs)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+
+    @staticmethod
+    def processed(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The logits after every stage of `process_logits`, the caller's left as they were: where nothing
+        edits them and no row draws, the caller's own (at batch 64 the float32 copy of [64, 49152] logits
+        was 2-3% of a decode step), else our own float32 copy put through the stages."""
+        if md.all_greedy and not md.edits_logits:
+            return logits
+        return Sampler.process_logits(logits.to(torch.float32, copy=True), md)
 
     @staticmethod
     def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
