@@ -57,7 +57,6 @@ static int prefix_make_room(int64_t bytes) {
     return 1;
 }
 
-
 /* Room for `tiles` tiles per KV head (and the pages they cover), keeping the packed tiles of the first
  * `keep` tokens; 0 when the cache has no room. */
 static int prefix_reserve(prefix_entry *e, int64_t tiles, int64_t tile_elems, int keep) {
@@ -165,7 +164,6 @@ void cascade_cache_set_limit(int64_t bytes) {
     prefix_make_room(0);
     pthread_mutex_unlock(&pc_lock);
 }
-
 
 int prefix_cache_begin(const int64_t *epochs) {
     if (!epochs) return 0;

@@ -232,26 +232,6 @@ static void tile_scores(const uint32_t *restrict qb, const uint32_t *restrict kt
     }
 }
 
-/* Rows r0 .. r0 + 15 of an online-softmax step, given each row's maximum over this step's keys (mx):
- * the new maxima (m_new, and in mn as floats) and the factor each row's outputs are rescaled by. */
-static inline __m512 rows_rescale(const float *m, int r0, __mmask16 lanes, __mmask16 live, const __m512 *mx,
-                                  __m512 *m_new, float *mn) {
-    const __m512 m_old = _mm512_maskz_loadu_ps(lanes, m + r0);
-    *m_new = _mm512_mask_max_ps(m_old, live, m_old, max16(mx));
-    _mm512_store_ps(mn, *m_new);
-    /* exp(-inf) = 0 for a row's first visible keys; rows seeing nothing keep everything (alpha 1). */
-    return _mm512_mask_mov_ps(_mm512_set1_ps(1.f), live, exp16(_mm512_sub_ps(m_old, *m_new)));
-}
-
-/* ... then their maxima, sums (l alpha + this step's, per-row vectors in sums) and factors stored. */
-static inline void rows_commit(float *m, float *l, float *alpha, int r0, __mmask16 lanes, __m512 m_new, __m512 a,
-                               const __m512 *sums) {
-    const __m512 l_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, l + r0), a, sum16(sums));
-    _mm512_mask_storeu_ps(m + r0, lanes, m_new);
-    _mm512_mask_storeu_ps(l + r0, lanes, l_new);
-    _mm512_mask_storeu_ps(alpha + r0, lanes, a);
-}
-
 /* exp16 (exp(x), 0 below -87, so 0 for a masked key's -inf) in 12 operations instead of 17: vexp's
  * polynomial with the exponent applied by a zero-masked vscalefps. The argument is held at -126 so
  * that no lane ever computes a subnormal or an underflow, even one masked away afterwards: each such
@@ -312,9 +292,12 @@ static void softmax_step(float *restrict s, int ss, const int *restrict row_pos,
                 mx[i] = _mm512_max_ps(mx[i], x);
             }
         }
+        const __m512 m_old = _mm512_maskz_loadu_ps(lanes, m + r0);
+        const __m512 m_new = _mm512_mask_max_ps(m_old, live, m_old, max16(mx));
+        /* exp(-inf) = 0 for a row's first visible keys; rows seeing nothing keep everything (alpha 1). */
+        const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), live, exp16(_mm512_sub_ps(m_old, m_new)));
         float mn[16] __attribute__((aligned(64)));
-        __m512 m_new;
-        const __m512 a = rows_rescale(m, r0, lanes, live, mx, &m_new, mn);
+        _mm512_store_ps(mn, m_new);
         for (int i = 0; i < 16; i++) {
             sums[i] = _mm512_setzero_ps();
             if (i >= nr) continue;
@@ -332,7 +315,10 @@ static void softmax_step(float *restrict s, int ss, const int *restrict row_pos,
                 _mm512_storeu_si512(pr + v / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
             }
         }
-        rows_commit(m, l, alpha, r0, lanes, m_new, a, sums);
+        const __m512 l_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, l + r0), a, sum16(sums));
+        _mm512_mask_storeu_ps(m + r0, lanes, m_new);
+        _mm512_mask_storeu_ps(l + r0, lanes, l_new);
+        _mm512_mask_storeu_ps(alpha + r0, lanes, a);
     }
 }
 
