@@ -186,13 +186,13 @@ class FusedDecodePlan:
         if n == 0:
             return False
         checked: set[int] = set()  # layers of one KV-cache group share their metadata
+        limit = self.max_query if self.grouped else min(self.max_query, self.max_query_ungrouped)
         for layer in self.layers:
             kv_cache, meta = layer.attn.cache_entry(batch)
             if kv_cache.dtype != self.dtype or not attention._use_c_kernel(kv_cache):
                 return False
             if id(meta) not in checked:
                 lens = meta.query_lens_list
-                limit = self.max_query if self.grouped else min(self.max_query, self.max_query_ungrouped)
                 if max(lens) > limit or sum(lens) != n:
                     return False
                 checked.add(id(meta))
