@@ -91,9 +91,10 @@ def configure_threads() -> int:
     return torch.get_num_threads()
 
 
-def cpu_summary() -> str:
-    """The CPU's model name and the vector / matrix extensions the kernels use, for start-up logs."""
-    model, flags = "unknown CPU", set()
+@functools.cache
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """This CPU's model name and its feature flags, from /proc/cpuinfo."""
+    model, flags = "unknown CPU", frozenset()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -101,8 +102,14 @@ def cpu_summary() -> str:
                 if key.strip() == "model name" and model == "unknown CPU":
                     model = value.strip()
                 elif key.strip() in ("flags", "Features") and not flags:
-                    flags = set(value.split())
+                    flags = frozenset(value.split())
     except OSError:
         pass
+    return model, flags
+
+
+def cpu_summary() -> str:
+    """The CPU's model name and the vector / matrix extensions the kernels use, for start-up logs."""
+    model, flags = cpu_info()
     wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
     return f"{model} [{' '.join(f for f in wanted if f in flags) or 'no AVX2'}]"

@@ -104,6 +104,56 @@ def test_torch_path_without_kernel_is_the_reference(monkeypatch):
     assert torch.equal(qw.dequantize(), t.dequantize())
 
 
+@pytest.mark.skipif(cpu_kernels.qdequant_kernel() is None, reason="fp32 quantized kernels not built")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize(("n", "k", "group"), [(40, 64, 32), (17, 128, 128), (100, 96, 16), (33, 30, 6)])
+def test_dequant_kernel_gives_dequantize_floats_exactly(bits, zeros, n, k, group):
+    qw = QuantizedWeight(_random_tensor(n, k, bits, group, zeros, seed=n * k + bits))
+    if torch.float32 not in qw._gemms:
+        pytest.skip("a K or group the kernels do not take (the torch path runs)")
+    want = qw.dequantize(torch.float32)
+    for n0, n1 in ((0, n), (16, n), (0, 16), (16, min(n, 33)), (n - 1 - (n - 1) % 16, n)):
+        out = torch.full((n1 - n0, k), float("nan"))
+        cpu_kernels.qdequant_kernel()(qw._desc_address, n0, n1, out.data_ptr())
+        assert torch.equal(out, want[n0:n1]), (n0, n1)
+
+
+@pytest.mark.skipif(
+    cpu_kernels.qgemm_kernel(torch.float32) is None, reason="fp32 quantized kernels not built"
+)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("pieces", [False, True])
+def test_many_rows_take_dequantize_and_gemm_like_the_panel(monkeypatch, bits, pieces):
+    from tokenos.layers import quantization
+
+    t = _random_tensor(100, 96, bits, 32, True, seed=bits)
+    qw, bias = QuantizedWeight(t), torch.randn(100)
+    if pieces:  # the weight in several pieces of rows, as an LM head is
+        monkeypatch.setattr(quantization, "SCRATCH_FLOATS", 32 * 96)
+    x = torch.randn(70, 96)
+    want = F.linear(x, t.dequantize(), bias)
+    real, calls = cpu_kernels.qdequant_kernel(), []
+    monkeypatch.setattr(cpu_kernels, "qdequant_kernel", lambda: lambda *a: calls.append(a) or real(*a))
+    for rows, dequantized in (("1000000", 0), ("71", 0), ("70", 4 if pieces else 1)):
+        monkeypatch.setenv("TOKENOS_QUANT_DENSE_FROM", rows)
+        calls.clear()
+        got = qw(x, bias)
+        assert len(calls) == dequantized, rows
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), rows
+
+
+def test_dense_from_rows_follows_the_cpu_and_the_override(monkeypatch):
+    from tokenos.layers import quantization
+
+    monkeypatch.setenv("TOKENOS_QUANT_DENSE_FROM", "7")
+    assert quantization.dense_from_rows() == 7
+    monkeypatch.delenv("TOKENOS_QUANT_DENSE_FROM")
+    avx512 = "avx512f" in quantization.cpu_info()[1]
+    want = quantization.DENSE_FROM_ROWS_AVX512 if avx512 else quantization.DENSE_FROM_ROWS_AVX2
+    assert quantization.dense_from_rows() == want
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_rows_are_dequantized_table_rows(bits):
     t = _random_tensor(70, 48, bits, 16, bits == 4, seed=9)

@@ -56,6 +56,7 @@ _PREFILL_SIGNATURE = [_P, _I64, _P, _I, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F
 _QLINEAR_SIGNATURES = {
     "qgemm_bf16_desc": [_P, _P, _I64, _I64, _P, _I64, _I],
     "qgemm_f32_desc": [_P, _P, _I64, _I64, _P, _I64],
+    "qdequant_f32_desc": [_P, _I64, _I64, _P],
 }
 
 
@@ -219,6 +220,14 @@ def qgemm_kernel(dtype: torch.dtype):
         return None
     bit = 2 if dtype == torch.bfloat16 else 1
     return getattr(lib, f"qgemm_{DTYPES[dtype]}_desc") if lib.qlinear_available() & bit else None
+
+
+@cache
+def qdequant_kernel():
+    """csrc/qlinear.c's ``qdequant_f32_desc`` (a `QDesc` address, rows n0..n1, a dense fp32 [n1 - n0, K]
+    out), or None where the fp32 kernels are not built."""
+    lib = load()
+    return lib.qdequant_f32_desc if lib is not None and lib.qlinear_available() & 1 else None
 
 
 def uses_amx() -> bool:

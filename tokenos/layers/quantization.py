@@ -7,7 +7,9 @@ blocks, GPTQ / AWQ groups, our own online quantization), up to the rounding of s
 `QuantizedWeight` is that tensor packed once for `csrc/qlinear.c` (the layout is described there) and
 called like a linear. Decode steps read 4.5-8.5 bits per weight instead of 16 (2-3.6x faster than
 oneDNN's bf16 GEMM at M = 1 on this project's AVX512-BF16 machine); at prefill sizes the kernel is
-level with it. Without the kernel (no compiler, ``TOKENOS_DISABLE_C_KERNELS=1``, a CPU without AVX2, an
+level with it. fp32 activations of many rows instead dequantize the weight with the C kernel (in
+pieces, into a reused buffer) and multiply with torch's GEMM, which outruns the fp32 panel there
+(`dense_from_rows`). Without the kernel (no compiler, ``TOKENOS_DISABLE_C_KERNELS=1``, a CPU without AVX2, an
 odd K or group) the same packed bytes are dequantized with torch ops per call: the reference the
 kernel is tested against, slow but exact.
 """
@@ -15,17 +17,31 @@ kernel is tested against, slow but exact.
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
+import os
+import threading
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from tokenos.layers import cpu_kernels
-from tokenos.platform import native_bf16_supported
+from tokenos.platform import cpu_info, native_bf16_supported
 
 # Weight-only methods that quantize a dense checkpoint at load (vLLM's --quantization names).
 ONLINE_METHODS = ("int8", "int4")
+
+# fp32 activations of at least this many rows take dequantize + torch's GEMM (see `dense_from_rows`).
+# With AVX-512, torch's fp32 GEMM runs 16-lane FMAs where csrc/qlinear.c's fp32 panel runs 8:
+# dequantize + GEMM is level with the panel at M = 64, 1.4-1.7x it at 128 and 2.1-3.1x at 512-2048 on
+# SmolLM2's shapes (Xeon with AMX, 2 vCPUs); on an AVX2 EPYC (Zen 2) the panel was ahead at M = 64,
+# level at 512 and 0.78-0.89x dense at 2048 (`tokenos bench kernels --sections linear --dtype float32`,
+# with TOKENOS_QUANT_DENSE_FROM set high for the panel alone).
+DENSE_FROM_ROWS_AVX512 = 64
+DENSE_FROM_ROWS_AVX2 = 512
+# The dense weight is made in pieces of at most this many floats (8 MiB), reused by every call.
+SCRATCH_FLOATS = 1 << 21
 
 
 @dataclass
@@ -195,7 +211,11 @@ class QuantizedWeight:
         if gemm is None or m == 0 or x2.stride(-1) != 1:
             return self._reference(x2, bias, out_dtype).reshape(*x.shape[:-1], n)
         # Called per layer per step: one allocation and one kernel call of few arguments.
-        if x.dtype == torch.bfloat16:
+        if x.dtype == torch.float32 and m >= dense_from_rows():
+            out = self._dense_gemm(x2)
+            if out_dtype != torch.float32:
+                out = out.to(out_dtype)
+        elif x.dtype == torch.bfloat16:
             f32 = out_dtype == torch.float32
             out = torch.empty((m, n), dtype=torch.float32 if f32 else torch.bfloat16)
             gemm(self._desc_address, x2.data_ptr(), m, x2.stride(0), out.data_ptr(), n, f32)
@@ -207,6 +227,20 @@ class QuantizedWeight:
         if bias is not None:
             out += bias
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
+
+    def _dense_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T for many fp32 rows: the weight dequantized by the C kernel in pieces of rows (exactly
+        `dequantize`'s floats) and multiplied with torch's GEMM, which is faster there than the panel."""
+        n, k = self.shape
+        piece = min(n, max(16, SCRATCH_FLOATS // k // 16 * 16))
+        scratch = _scratch(piece * k)
+        out = torch.empty((x.shape[0], n), dtype=torch.float32)
+        for n0 in range(0, n, piece):
+            n1 = min(n, n0 + piece)
+            w = scratch[: (n1 - n0) * k].view(n1 - n0, k)
+            cpu_kernels.qdequant_kernel()(self._desc_address, n0, n1, w.data_ptr())
+            torch.mm(x, w.t(), out=out if piece == n else out[:, n0:n1])
+        return out
 
     def _reference(self, x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
         """Dequantize and F.linear: the torch path (and, for bf16 on a CPU without native bf16, its
@@ -235,6 +269,31 @@ class QuantizedWeight:
         return cpu_kernels.QDesc(
             self.cells.data_ptr(), self.scales.data_ptr(), zeros, self.bits, self.group, k, n
         )
+
+
+def dense_from_rows() -> int:
+    """From how many fp32 activation rows a quantized linear dequantizes its weight and multiplies with
+    torch's GEMM instead of running csrc/qlinear.c's panel (``TOKENOS_QUANT_DENSE_FROM`` overrides)."""
+    return _dense_from_rows(os.environ.get("TOKENOS_QUANT_DENSE_FROM"))
+
+
+@functools.cache
+def _dense_from_rows(override: str | None) -> int:
+    if override is not None:
+        return int(override)
+    avx512 = "avx512f" in cpu_info()[1]
+    return DENSE_FROM_ROWS_AVX512 if avx512 else DENSE_FROM_ROWS_AVX2
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(numel: int) -> torch.Tensor:
+    """A per-thread fp32 buffer of at least ``numel`` floats, kept between calls (no page faults)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < numel:
+        buf = _SCRATCH.buf = torch.empty(numel, dtype=torch.float32)
+    return buf
 
 
 def _pack_cells(q: torch.Tensor, bits: int) -> torch.Tensor:

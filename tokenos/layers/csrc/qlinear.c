@@ -22,7 +22,8 @@
  * an AVX512-BF16 CPU this measures level with oneDNN's bf16 GEMM from M = 64 to 2048. On an AMX-BF16
  * CPU the same panel, over the whole of K, is multiplied on AMX tiles instead (qgemm_amx), and 2 to 16
  * rows multiply the integer cells on tiles, exact as the few-row path (qgemv_amx). The fp32 build
- * (AVX2) takes a panel path in fp32 past MV32 rows; fewer (qgemv_f32) go straight from the cells.
+ * (AVX2) takes a panel path in fp32 past MV32 rows; fewer (qgemv_f32) go straight from the cells;
+ * qdequant_f32_desc writes rows of the weight as dense fp32 for a torch GEMM at many rows.
  * Built where the compiler targets AVX2 + FMA + F16C (fp32) and AVX512-BF16 (bf16);
  * qlinear_available() says which.
  */
@@ -840,11 +841,51 @@ void qgemm_f32(const float *x, int64_t M, int64_t xs, const uint8_t *q, const ui
     }
 }
 
+/* Rows [n0, n1) of the weight (n0 a multiple of 16), dequantized into a dense row-major fp32 [n1 - n0, K]:
+ * for many activation rows the caller multiplies that with torch's GEMM, which outruns the panel path
+ * above on most CPUs once M is large (tokenos/layers/quantization.py chooses where). Four pairs of a
+ * block quarter (rows 4j..4j+3, eight columns) are a 4x4 transpose of 64-bit column pairs. */
+static inline void store_pairs(const __m256 *v, int64_t stride, float *dst, int rows) {
+    __m256d t0 = _mm256_unpacklo_pd(_mm256_castps_pd(v[0]), _mm256_castps_pd(v[4]));
+    __m256d t1 = _mm256_unpackhi_pd(_mm256_castps_pd(v[0]), _mm256_castps_pd(v[4]));
+    __m256d t2 = _mm256_unpacklo_pd(_mm256_castps_pd(v[8]), _mm256_castps_pd(v[12]));
+    __m256d t3 = _mm256_unpackhi_pd(_mm256_castps_pd(v[8]), _mm256_castps_pd(v[12]));
+    __m256d r[4] = {_mm256_permute2f128_pd(t0, t2, 0x20), _mm256_permute2f128_pd(t1, t3, 0x20),
+                    _mm256_permute2f128_pd(t0, t2, 0x31), _mm256_permute2f128_pd(t1, t3, 0x31)};
+    for (int i = 0; i < rows; i++) _mm256_storeu_pd((double *)(dst + i * stride), r[i]);
+}
+
+void qdequant_f32_desc(const qdesc *d, int64_t n0, int64_t n1, float *out) {
+    qweight32 w = {d->q, d->s, d->z, d->bits, d->group, d->K, d->N};
+    int64_t K = w.K, pairs = K / 2, b0 = n0 / 16, b1 = (n1 + 15) / 16;
+    _Pragma("omp parallel") {
+        __m256 panel[KCP32 * 4] __attribute__((aligned(64)));
+        _Pragma("omp for schedule(static)") for (int64_t blk = b0; blk < b1; blk++) {
+            for (int64_t p0 = 0; p0 < pairs; p0 += KCP32) {
+                int64_t p1 = p0 + KCP32 < pairs ? p0 + KCP32 : pairs;
+                deq_block_f32(&w, blk, p0, p1, panel);
+                for (int j = 0; j < 4; j++) {
+                    int64_t r0 = 16 * blk + 4 * j;
+                    int rows = n1 - r0 >= 4 ? 4 : n1 - r0 > 0 ? (int)(n1 - r0) : 0;
+                    float *dst = out + (r0 - n0) * K;
+                    int64_t p = p0;
+                    for (; p + 4 <= p1; p += 4) store_pairs(panel + (p - p0) * 4 + j, K, dst + 2 * p, rows);
+                    for (; p < p1; p++) {
+                        const double *v = (const double *)(panel + (p - p0) * 4 + j);
+                        for (int i = 0; i < rows; i++) memcpy(dst + i * K + 2 * p, v + i, 8);
+                    }
+                }
+            }
+        }
+    }
+}
+
 #else
 void qgemm_f32(const float *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s, const uint16_t *z,
                int bits, int group, int64_t N, int64_t K, float *out, int64_t os) {
     abort();
 }
+void qdequant_f32_desc(const qdesc *d, int64_t n0, int64_t n1, float *out) { abort(); }
 #endif
 
 void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s,
