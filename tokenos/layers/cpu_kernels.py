@@ -36,6 +36,7 @@ _SOURCES = tuple(
         "lora.c",
         "decode_layer.c",
         "packed_prefix.c",
+        "argmax.c",
     )
 )
 _HEADERS = (_CSRC / "vec_math.h", _CSRC / "amx.h", _CSRC / "packed_prefix.h")
@@ -196,6 +197,8 @@ def load() -> ctypes.CDLL | None:
         getattr(lib, f"lora_apply_{suffix}").argtypes = [_P, _I64, _P, _I64, _I, _P, _P, _P]
         getattr(lib, f"lora_apply_{suffix}").restype = None
     lib.lora_max_rank.argtypes = []
+    lib.argmax_rows_f32.argtypes = [_P, _I64, _I64, _I64, _P]
+    lib.argmax_rows_f32.restype = None
     return lib
 
 
@@ -302,6 +305,18 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 def _fn(name: str, dtype: torch.dtype):
     return getattr(load(), f"{name}_{DTYPES[dtype]}")
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """Each row's argmax of float32 ``x`` [rows, n] (int64 [rows]), the index ``x.max(dim=1).indices``
+    gives (the first maximum; a row's first NaN where it has one); None where the kernel does not
+    apply (no C kernels, another dtype or layout), for the caller's torch path."""
+    lib = load()
+    if lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1 or x.shape[1] == 0:
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return out
 
 
 def rms_norm(
