@@ -29,6 +29,38 @@ def test_quantize_clamps_to_the_e4m3_range():
     assert quantize_fp8(torch.tensor([1000.0]), 4.0).float().item() == 256.0  # 250 rounds to 256
 
 
+def _every_bf16() -> torch.Tensor:
+    """All 65,536 bf16 bit patterns (NaNs and infinities included), as [n, 2, 64] rows."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    return bits.view(torch.bfloat16).view(-1, 2, 64)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37, 3.0])
+def test_c_fp8_write_matches_torch_quantize_bit_for_bit(scale, kernel_build):
+    """The C write stores exactly the bytes `quantize_fp8` makes: every bf16 value (the division by the
+    scale rounded to bf16 as torch's is, subnormals, ties, values past 448 clamped; a NaN as a NaN byte),
+    and float32 values between bf16's, into rows of the pages in any order; other rows stay untouched."""
+    if cpu_kernels.load() is None:
+        pytest.skip("no C compiler")
+    gen = torch.Generator().manual_seed(int(scale * 100))
+    dense = torch.randn(4096, 2, 64, generator=gen) * torch.logspace(-12, 3, 4096).view(-1, 1, 1)
+    for x in (_every_bf16(), dense, dense.bfloat16()):
+        n = x.shape[0] // 2
+        k, v = x[:n], x[n : 2 * n]
+        flat = torch.full((3 * n, 2, 64), 99, dtype=torch.uint8).view(FP8)
+        rows = torch.randperm(3 * n, generator=gen)[: 2 * n]
+        cpu_kernels.kv_write_8bit(k, v, flat, rows, scale, scale)
+        as_bytes = flat.view(torch.uint8)
+        for src, dst in ((k, rows[:n]), (v, rows[n:])):
+            got, want = as_bytes[dst], quantize_fp8(src, scale).view(torch.uint8)
+            nan = src.isnan()  # a NaN byte either way; torch's bf16 clamp may flip its sign bit
+            assert ((got[nan] & 0x7F) == 0x7F).all() and ((want[nan] & 0x7F) == 0x7F).all()
+            assert torch.equal(got[~nan], want[~nan]), x.dtype
+        untouched = torch.ones(3 * n, dtype=torch.bool)
+        untouched[rows] = False
+        assert (as_bytes[untouched] == 99).all()
+
+
 @pytest.mark.parametrize("head_size", [256, 8])
 def test_c_kernel_widens_every_fp8_byte_exactly(head_size, kernel_build):
     """One cached token per request: softmax weight 1, so the output is that token's V row, widened by

@@ -49,7 +49,7 @@ def test_c_int8_write_matches_torch_quantize_bit_for_bit(dtype, kernel_build):
     k[0, 0, :6] = torch.tensor([0.03125, 0.09375, -0.03125, float("nan"), float("inf"), -1e9]).to(dtype)
     flat = torch.full((200, kvh, d), 99, dtype=INT8)
     rows = torch.randperm(200)[: 2 * n]
-    cpu_kernels.kv_write_int8(k, v, flat, rows, scale_k, scale_v)
+    cpu_kernels.kv_write_8bit(k, v, flat, rows, scale_k, scale_v)
     assert torch.equal(flat[rows[:n]], quantize_int8(k, scale_k))
     assert torch.equal(flat[rows[n:]], quantize_int8(v, scale_v))
     assert flat[rows[0], 0, :6].tolist() == [0, 2, 0, 0, 127, -127]  # ties to even: 0.5 -> 0, 1.5 -> 2
@@ -142,7 +142,7 @@ def test_c_int8_write_fills_pages_as_the_torch_write(padded, monkeypatch):
         assert cache.is_contiguous() != padded
         attn = Attention(8, kvh, d, d**-0.5)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(attention, "_use_c_int8_write", lambda k, v: c_write and cpu_kernels.usable(k, v))
+            mp.setattr(attention, "_use_c_kv_write", lambda k, v: c_write and cpu_kernels.usable(k, v))
             return _steps_through(cache, attn, block_size, seed=5), pages
 
     (out_c, pages_c), (out_t, pages_t) = run(True), run(False)

@@ -115,7 +115,7 @@ FP8_V_SCALE_CONSTANT = 100.0
 
 def quantize_int8(x: torch.Tensor, scale: float) -> torch.Tensor:
     """round(x / scale) as int8 (half to even), saturating at +-127, NaN as 0; x times the float32
-    reciprocal of the scale, bit for bit as the C write (`cpu_kernels.kv_write_int8`) computes it."""
+    reciprocal of the scale, bit for bit as the C write (`cpu_kernels.kv_write_8bit`) computes it."""
     q = x.float() * (1.0 / scale)
     return q.round_().clamp_(-INT8_MAX, INT8_MAX).nan_to_num_(0.0).to(torch.int8)
 
@@ -155,8 +155,8 @@ def _use_c_kernel(kv_cache: torch.Tensor) -> bool:
     return head_size <= cpu_kernels.MAX_HEAD_SIZE and cpu_kernels.load() is not None
 
 
-def _use_c_int8_write(k: torch.Tensor, v: torch.Tensor) -> bool:
-    """The C int8 write takes float32 / bf16 K and V whose rows ([KVH, D]) are contiguous."""
+def _use_c_kv_write(k: torch.Tensor, v: torch.Tensor) -> bool:
+    """The C 8-bit page write takes float32 / bf16 K and V whose rows ([KVH, D]) are contiguous."""
     return cpu_kernels.usable(k, v) and k.stride(1) == k.shape[2] and v.stride(1) == v.shape[2]
 
 
@@ -262,8 +262,8 @@ class Attention(CacheLayer):
         if scaled:
             self._maybe_calibrate(k, v, flat.dtype, meta)
             rows = meta.write_rows(rows_per_block)
-            if flat.dtype == torch.int8 and _use_c_int8_write(k, v):
-                cpu_kernels.kv_write_int8(k, v, flat, rows, self.k_scale, self.v_scale)
+            if _use_c_kv_write(k, v):
+                cpu_kernels.kv_write_8bit(k, v, flat, rows, self.k_scale, self.v_scale)
             else:
                 # index_copy_ has no float8 kernel: write the bytes through uint8 views.
                 kv = torch.cat(

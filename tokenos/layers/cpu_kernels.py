@@ -51,6 +51,7 @@ _SIGNATURES = {
     "silu_and_mul": [_P, _P, _I64, _I],
     "rotary": [_P, _I64, _I, _P, _I64, _I, _I, _I, _P, _P, _I64],
     "kv_write_int8": [_P, _I64, _P, _I64, _I64, _I, _P, _P, _F, _F],
+    "kv_write_fp8": [_P, _I64, _P, _I64, _I64, _I, _P, _P, _F, _F],
     "decode_layer": [_P, _P, _P, _P, _I],
 }
 _PREFILL_SIGNATURE = [_P, _I64, _P, _I, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I64, _F, _P]
@@ -436,14 +437,17 @@ def _sinks_arg(sinks: torch.Tensor | None, num_heads: int) -> torch.Tensor | Non
     return sinks
 
 
-def kv_write_int8(
+def kv_write_8bit(
     k: torch.Tensor, v: torch.Tensor, flat: torch.Tensor, rows: torch.Tensor, k_scale: float, v_scale: float
 ) -> None:
-    """Write round(K / k_scale) and round(V / v_scale), clamped to [-127, 127], into int8 pages: k and v
-    [n, KVH, D] float32 or bf16 with contiguous rows (any token stride); flat the pages as rows
-    [*, KVH, D] of whole-row stride; rows int64 [2n], K's rows then V's. See paged_attention.c."""
+    """Write K / k_scale and V / v_scale into 8-bit pages as attention.py's torch path writes them (int8:
+    rounded half to even, clamped to [-127, 127]; float8 e4m3fn: clamped to +-448, converted as torch
+    converts): k and v [n, KVH, D] float32 or bf16 with contiguous rows (any token stride); flat the pages
+    as rows [*, KVH, D] of whole-row stride, int8 or float8_e4m3fn; rows int64 [2n], K's rows then V's.
+    See paged_attention.c."""
     n, num_kv_heads, head_size = k.shape
-    _fn("kv_write_int8", k.dtype)(
+    fp8 = flat.dtype == torch.float8_e4m3fn
+    _fn("kv_write_fp8" if fp8 else "kv_write_int8", k.dtype)(
         k.data_ptr(),
         k.stride(0),
         v.data_ptr(),
@@ -452,8 +456,7 @@ def kv_write_int8(
         num_kv_heads * head_size,
         flat.data_ptr(),
         rows.data_ptr(),
-        1.0 / k_scale,
-        1.0 / v_scale,
+        *((k_scale, v_scale) if fp8 else (1.0 / k_scale, 1.0 / v_scale)),
     )
 
 

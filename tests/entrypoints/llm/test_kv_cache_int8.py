@@ -129,7 +129,7 @@ def test_hybrid_int8_pages_beside_recurrent_states(make_checkpoint):
     for c_write in (True, False):
         with pytest.MonkeyPatch.context() as mp:
             if not c_write:
-                mp.setattr("tokenos.layers.attention._use_c_int8_write", lambda k, v: False)
+                mp.setattr("tokenos.layers.attention._use_c_kv_write", lambda k, v: False)
             llm = make_llm(folder, kv_cache_dtype="int8", max_model_len=128)
             out = generate_greedy(llm, prompts, max_tokens=6)
             tokens[c_write] = [o.outputs[0].token_ids for o in out]

@@ -889,10 +889,15 @@ DEFINE_DECODE(paged_decode_int8, int8_t, item_int8, item_avx_int8, 0)
 
 int paged_decode_max_head_size(void) { return MAX_HEAD; }
 
-/* This step's K and V into int8 pages, in one call where torch took five ops per tensor (about 20 us
+/* This step's K and V into 8-bit pages, in one call where torch took five ops per tensor (about 20 us
  * each at decode sizes, times two, times every layer): element j of token t's K row (k + t * k_stride,
- * row elements contiguous) goes to flat row rows[t] as round(x * inv_k) (half to even, as torch.round)
- * clamped to [-127, 127], NaN as 0; its V row to flat row rows[n + t] with inv_v. */
+ * row elements contiguous) goes to flat row rows[t], its V row to flat row rows[n + t], each byte what
+ * attention.py's torch path writes for it.
+ * int8: round(x * inv) (half to even, as torch.round) clamped to [-127, 127], NaN as 0, with inv_k / inv_v
+ * the scales' float32 reciprocals.
+ * fp8 (e4m3fn): x / scale, rounded to the input's dtype as torch's division is, clamped to +-448, then
+ * converted as c10's float -> Float8_e4m3fn is (round to nearest even, subnormals included; NaN stays
+ * NaN), with div_k / div_v the scales themselves (1.0: no division). */
 static inline int8_t to_int8(float x, float inv) {
     float y = rintf(x * inv);
     y = y > 127.f ? 127.f : y;
@@ -900,20 +905,51 @@ static inline int8_t to_int8(float x, float inv) {
     return y == y ? (int8_t)y : 0;
 }
 
+static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, sizeof u); return u; }
+static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, sizeof f); return f; }
+
+/* c10's fp8e4m3fn_from_fp32_value. Values below 2^-6 (e4m3's smallest normal) are rounded by one float
+ * addition to 2^14, whose ulp is e4m3's subnormal step 2^-9: the hardware's round to nearest even. */
+static inline uint8_t f32_to_fp8(float f) {
+    uint32_t bits = f32_bits(f);
+    const uint32_t sign = bits & 0x80000000u;
+    bits ^= sign;
+    uint8_t out;
+    if (bits >= 1087u << 20) { /* 464 and above (448 + half an ulp), inf and NaN */
+        out = 0x7f;
+    } else if (bits < 121u << 23) {
+        const uint32_t denorm = 141u << 23;
+        out = (uint8_t)(f32_bits(bits_f32(bits) + bits_f32(denorm)) - denorm);
+    } else {
+        const uint32_t odd = (bits >> 20) & 1;
+        bits += ((uint32_t)(7 - 127) << 23) + 0x7ffff + odd;
+        out = (uint8_t)(bits >> 20);
+    }
+    return out | (uint8_t)(sign >> 24);
+}
+
+static inline float fp8_clamp(float y) { return y > 448.f ? 448.f : y < -448.f ? -448.f : y; }
+static inline int8_t to_fp8_f32(float x, float div) { return (int8_t)f32_to_fp8(fp8_clamp(div != 1.f ? x / div : x)); }
+static inline int8_t to_fp8_bf16(float x, float div) {
+    return (int8_t)f32_to_fp8(fp8_clamp(div != 1.f ? bf16_to_f32(f32_to_bf16(x / div)) : x));
+}
+
 static inline float f32_id(float x) { return x; }
 
-#define DEFINE_KV_WRITE_INT8(NAME, T, TO_F32)                                                     \
+#define DEFINE_KV_WRITE(NAME, T, TO_F32, STORE)                                                   \
 void NAME(const T *k, int64_t k_stride, const T *v, int64_t v_stride, int64_t n, int row,        \
-          int8_t *flat, const int64_t *rows, float inv_k, float inv_v) {                         \
+          int8_t *flat, const int64_t *rows, float sk, float sv) {                                \
     _Pragma("omp parallel for schedule(static) if (n * row > (1 << 18))")                        \
     for (int64_t t = 0; t < 2 * n; t++) {                                                         \
         const int is_v = t >= n;                                                                  \
         const T *restrict src = is_v ? v + (t - n) * v_stride : k + t * k_stride;                 \
-        const float inv = is_v ? inv_v : inv_k;                                                   \
+        const float sc = is_v ? sv : sk;                                                          \
         int8_t *restrict dst = flat + rows[t] * row;                                              \
-        for (int j = 0; j < row; j++) dst[j] = to_int8(TO_F32(src[j]), inv);                      \
+        for (int j = 0; j < row; j++) dst[j] = STORE(TO_F32(src[j]), sc);                         \
     }                                                                                             \
 }
 
-DEFINE_KV_WRITE_INT8(kv_write_int8_f32, float, f32_id)
-DEFINE_KV_WRITE_INT8(kv_write_int8_bf16, uint16_t, bf16_to_f32)
+DEFINE_KV_WRITE(kv_write_int8_f32, float, f32_id, to_int8)
+DEFINE_KV_WRITE(kv_write_int8_bf16, uint16_t, bf16_to_f32, to_int8)
+DEFINE_KV_WRITE(kv_write_fp8_f32, float, f32_id, to_fp8_f32)
+DEFINE_KV_WRITE(kv_write_fp8_bf16, uint16_t, bf16_to_f32, to_fp8_bf16)
