@@ -3,8 +3,9 @@
 It runs the module path's kernels in the module path's order, so decode steps must give the same
 tokens and the same logprobs bit for bit: over Llama (GQA), Qwen2 (q/k/v bias) and Mistral (sliding
 window) with int4 and int8 weights, in float32 and (where native) bf16, with batches that grow and
-shrink, a prefix-cache hit and preemption. Steps it must not take (prefill rows, 8-bit pages, layers
-it does not fuse) fall back to the module path.
+shrink, a prefix-cache hit and preemption, on pages of the model's dtype and on fp8 / int8 pages. Steps it
+must not take (prefill rows, 8-bit pages before their scales are fixed, layers it does not fuse) fall back
+to the module path.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from tests.fixtures.checkpoints import LLM_SHAPE, save_tiny
 from tests.fixtures.llm import generate_greedy, make_llm, random_prompts
-from tokenos.layers import cpu_kernels
+from tokenos.layers import attention, cpu_kernels
 from tokenos.layers.fused_decode import FusedDecodePlan
 from tokenos.models.llama import DecoderModel
 
@@ -66,11 +67,16 @@ def tiny(request, tmp_path_factory):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("method", ["int4", "int8"])
-def test_fused_decode_equals_the_module_path(tiny, method, dtype, monkeypatch):
+@pytest.mark.parametrize("kv", ["auto", "fp8", "fp8-calibrated", "int8"])
+def test_fused_decode_equals_the_module_path(tiny, method, dtype, kv, monkeypatch):
     # 5 requests of different lengths, at most 3 at a time, 16-token blocks: decode batches of 1 to 3
-    # rows beside prefills (those steps take the module path), requests joining and leaving.
+    # rows beside prefills (those steps take the module path), requests joining and leaving. 8-bit pages:
+    # the module path calibrates (int8 always, fp8 with calculate_kv_scales) in the first step, a prefill.
+    if kv != "auto" and method == "int8":
+        pytest.skip("8-bit pages: one weight format is enough")
     prompts = random_prompts(5, 3, 40, seed=11, vocab=LLM_SHAPE["vocab_size"])
     kwargs = dict(quantization=method, dtype=dtype, max_num_seqs=3, block_size=16, max_num_batched_tokens=32)
+    kwargs.update(kv_cache_dtype=kv.split("-")[0], calculate_kv_scales=kv.endswith("calibrated"))
     fused, plan, taken, _ = _run(tiny, monkeypatch, True, prompts, **kwargs)
     reference, *_ = _run(tiny, monkeypatch, False, prompts, **kwargs)
     assert isinstance(plan, FusedDecodePlan) and taken > 10
@@ -95,12 +101,15 @@ def test_steps_and_models_it_does_not_take(tmp_path, monkeypatch):
     folder = str(tmp_path / "llama")
     save_tiny("llama", folder, **LLM_SHAPE)
     prompts = random_prompts(3, 5, 20, seed=1, vocab=LLM_SHAPE["vocab_size"])
-    # 8-bit pages: the plan exists, no step qualifies, outputs still equal the module path's.
+    # 8-bit pages whose scales are still open (int8 before its first real K and V): the module path,
+    # which calibrates them.
+    monkeypatch.setattr(attention.Attention, "kv_scales_settled", lambda self, dtype: False)
     fused, plan, taken, _ = _run(
         folder, monkeypatch, True, prompts, quantization="int4", kv_cache_dtype="int8"
     )
     reference, *_ = _run(folder, monkeypatch, False, prompts, quantization="int4", kv_cache_dtype="int8")
     assert plan is not None and taken == 0 and fused == reference
+    monkeypatch.undo()
     # Dense weights (oneDNN's GEMM, not ours): no plan.
     assert _run(folder, monkeypatch, True, prompts[:1])[1] is None
     qwen3 = str(tmp_path / "qwen3")  # per-head q/k norms: not fused

@@ -230,6 +230,11 @@ class Attention(CacheLayer):
         """Whether k_scale and v_scale are fixed (no later forward changes them)."""
         return not self._open_scales
 
+    def kv_scales_settled(self, dtype: torch.dtype) -> bool:
+        """Whether no later forward changes k_scale / v_scale for pages of ``dtype``: calibrated, or never
+        to be (fp8 pages without calculate_kv_scales keep 1.0)."""
+        return self.kv_scales_calibrated or not (self.calculate_kv_scales or dtype == torch.int8)
+
     def fix_kv_scales(self, k_scale: float, v_scale: float) -> None:
         """Fix the scales by hand, as a calibrated layer holds them (a benchmark timing such a layer)."""
         self.k_scale, self.v_scale = k_scale, v_scale
@@ -319,7 +324,7 @@ class Attention(CacheLayer):
         (int8 pages always, fp8 ones with calculate_kv_scales). Only tokens bound for real pages count:
         a warm-up or padding forward writing the null block alone calibrates nothing. A step whose
         real K (or V) are all zero leaves that scale open: zeros read back the same under any scale."""
-        if self.kv_scales_calibrated or not (self.calculate_kv_scales or dtype == torch.int8):
+        if self.kv_scales_settled(dtype):
             return
         real = meta.slot_mapping[: k.shape[0]] >= meta.block_size
         if not bool(real.any()):

@@ -11,7 +11,8 @@ the module path stays the reference and takes every other step.
 ``DecoderLayer`` exactly (no q/k norms, no output scale), plain RMSNorms, SiLU gating, all four linears
 quantized with the C kernel for the model's dtype and no LoRA, attention without soft cap or sinks.
 `takes(batch)` says per step whether every request has at most ``max_query`` tokens (a decode, and the
-drafts being verified when speculating), on pages of the model's dtype. A step of decodes only is the
+drafts being verified when speculating), on pages of the model's dtype or 8-bit (fp8, int8) pages whose
+scales are settled (written and read as the module path does). A step of decodes only is the
 module path's arithmetic exactly; a token among several of its request attends through the decode
 kernel as a decode of its own length, where the module path takes the prefill kernel (the same
 attention, summed in another order).
@@ -54,8 +55,16 @@ class LayerDesc(ctypes.Structure):
         ("eps", _F),
         ("scale", _F),
         ("window", _I32),
+        ("kv_kind", _I32),
+        ("k_write", _F),
+        ("v_write", _F),
+        ("v_scale", _F),
         ("_pad", _I32),
     ]
+
+
+# csrc/decode_layer.c's kv_kind: pages of the model's dtype, or 8-bit pages with per-layer scales.
+_KV_KINDS = {torch.float8_e4m3fn: 1, torch.int8: 2}
 
 
 _SCRATCH = ("h", "qkv", "attn", "gu", "act", "qf", "of")
@@ -181,22 +190,33 @@ class FusedDecodePlan:
 
     def takes(self, batch: ForwardBatch) -> bool:
         """Whether every request of this step has at most ``max_query`` tokens (a decode, with its drafts
-        when speculating) and the pages are ones the kernel reads: the model's dtype, whole-row pages."""
+        when speculating) and the pages are ones the kernel reads: whole-row pages of the model's dtype,
+        or 8-bit ones whose scales no later step changes (a layer still to calibrate takes the module
+        path, which calibrates it)."""
         n = batch.input_ids.shape[0]
         if n == 0:
             return False
         checked: set[int] = set()  # layers of one KV-cache group share their metadata
-        limit = self.max_query if self.grouped else min(self.max_query, self.max_query_ungrouped)
         for layer in self.layers:
             kv_cache, meta = layer.attn.cache_entry(batch)
-            if kv_cache.dtype != self.dtype or not attention._use_c_kernel(kv_cache):
+            if not self._reads(layer.attn, kv_cache):
                 return False
             if id(meta) not in checked:
+                # Cascade groups a request's tokens over bf16 pages of the model's dtype only.
+                grouped = self.grouped and kv_cache.dtype == self.dtype
+                limit = self.max_query if grouped else min(self.max_query, self.max_query_ungrouped)
                 lens = meta.query_lens_list
                 if max(lens) > limit or sum(lens) != n:
                     return False
                 checked.add(id(meta))
         return True
+
+    def _reads(self, attn: Attention, kv_cache: torch.Tensor) -> bool:
+        if kv_cache.dtype != self.dtype and not (
+            kv_cache.dtype in _KV_KINDS and attn.kv_scales_settled(kv_cache.dtype)
+        ):
+            return False
+        return attention._use_c_kernel(kv_cache)
 
     def run(self, x: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) after every layer, as the module path leaves them."""
@@ -223,6 +243,7 @@ class FusedDecodePlan:
                 step = steps[id(meta)] = self._step(meta, batch, cos, sin, scratch)
             layer.desc.kv_cache = kv_cache.data_ptr()
             layer.desc.page_stride = kv_cache.stride(0)
+            _set_scales(layer.desc, layer.attn, _KV_KINDS.get(kv_cache.dtype, 0))
             self.fn(
                 ctypes.byref(layer.desc),
                 ctypes.byref(step[0]),
@@ -258,3 +279,19 @@ class FusedDecodePlan:
             **{name: t.data_ptr() for name, t in zip(_SCRATCH, scratch, strict=True)},
         )
         return desc, (table, lens, slots)
+
+
+def _set_scales(desc: LayerDesc, attn: Attention, kind: int) -> None:
+    """The layer's scales as the module path applies them (attention.py): on 8-bit pages the softmax
+    scale times k_scale, the outputs times v_scale, and the write's divisors (fp8) or reciprocals (int8),
+    each a Python float rounded once to float32 as the ctypes calls there round it."""
+    desc.kv_kind = kind
+    if not kind:
+        desc.scale = attn.scale
+        return
+    desc.scale = attn.scale * attn.k_scale
+    fp8 = kind == _KV_KINDS[torch.float8_e4m3fn]
+    desc.k_write, desc.v_write = (
+        (attn.k_scale, attn.v_scale) if fp8 else (1.0 / attn.k_scale, 1.0 / attn.v_scale)
+    )
+    desc.v_scale = attn.v_scale

@@ -13,8 +13,11 @@
  * the same bit for bit: the module path stays the reference and the fallback.
  *
  * Weights are quantized (qlinear.c's packed layout; the caller checks its kernel exists for the
- * dtype), KV pages are the model's dtype, every token is one request's decode. x and residual are
- * [n, hidden], updated in place; `first` starts the residual stream (layer 0: residual = x).
+ * dtype), every token is one request's decode. x and residual are [n, hidden], updated in place;
+ * `first` starts the residual stream (layer 0: residual = x). KV pages are the model's dtype, or 8-bit
+ * (fp8 e4m3fn, int8) pages with per-layer scales that no later step changes: K and V written by
+ * paged_attention.c's 8-bit write, the softmax scale times k_scale, the outputs times v_scale, as the
+ * module path (tokenos/layers/attention.py) does.
  */
 #include <stdint.h>
 #include <string.h>
@@ -42,6 +45,21 @@ void paged_decode_bf16(const float *q, const bf16 *cache, int64_t page_stride, i
                        const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,
                        int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,
                        float cap, const float *sinks, const int64_t *epochs);
+void paged_decode_fp8(const float *q, const uint8_t *cache, int64_t page_stride, int block_size,
+                      const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,
+                      int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,
+                      float cap, const float *sinks, const int64_t *epochs);
+void paged_decode_int8(const float *q, const int8_t *cache, int64_t page_stride, int block_size,
+                       const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,
+                       int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,
+                       float cap, const float *sinks, const int64_t *epochs);
+#define DECLARE_KV_WRITE(NAME, T)                                                                  \
+    void NAME(const T *k, int64_t k_stride, const T *v, int64_t v_stride, int64_t n, int row, int8_t *flat, \
+              const int64_t *rows, float sk, float sv);
+DECLARE_KV_WRITE(kv_write_fp8_f32, float)
+DECLARE_KV_WRITE(kv_write_fp8_bf16, bf16)
+DECLARE_KV_WRITE(kv_write_int8_f32, float)
+DECLARE_KV_WRITE(kv_write_int8_bf16, bf16)
 /* qlinear.c's entry points take its `qdesc`; only its address passes through here. */
 void qgemm_f32_desc(const void *w, const float *x, int64_t M, int64_t xs, float *out, int64_t os);
 void qgemm_bf16_desc(const void *w, const bf16 *x, int64_t M, int64_t xs, void *out, int64_t os, int out_f32);
@@ -53,9 +71,14 @@ typedef struct {
     const void *ln1, *ln2;                /* RMSNorm weights [hidden] */
     void *kv_cache;                       /* this layer's pages [blocks, 2, block_size, kv_heads, head_dim] */
     int64_t page_stride;                  /* elements from one block to the next */
-    float eps, scale;
-    int32_t window, _pad;
+    float eps, scale;                     /* scale: the softmax scale, times k_scale on 8-bit pages */
+    int32_t window, kv_kind;              /* kv_kind: KV_MODEL, KV_FP8 or KV_INT8 pages */
+    float k_write, v_write;               /* 8-bit writes: fp8 k_scale / v_scale, int8 their reciprocals */
+    float v_scale;                        /* 8-bit pages: the outputs' factor */
+    int32_t _pad;
 } layer_desc;
+
+enum { KV_MODEL = 0, KV_FP8 = 1, KV_INT8 = 2 };
 
 /* One step's shapes, indices and scratch, shared by every layer (fused_decode.py's StepDesc). */
 typedef struct {
@@ -69,6 +92,17 @@ typedef struct {
     void *h, *qkv, *attn, *gu, *act; /* [n, hidden], [n, qkv width], [n, heads * head_dim], [n, 2 inter], [n, inter] */
     float *qf, *of;                  /* float32 [n, heads * head_dim] */
 } step_desc;
+
+/* Decode attention over 8-bit pages (step and layer as decode_layer_* has them). */
+static void decode_8bit(const layer_desc *L, const step_desc *S, const int8_t *cache) {
+    const int n = (int)S->n, hd = S->head_dim;
+    if (L->kv_kind == KV_FP8)
+        paged_decode_fp8(S->qf, (const uint8_t *)cache, L->page_stride, S->block_size, S->block_table, S->max_blocks,
+                         S->seq_lens, n, S->heads, S->kv_heads, hd, L->scale, L->window, S->of, 0.0f, NULL, S->epochs);
+    else
+        paged_decode_int8(S->qf, cache, L->page_stride, S->block_size, S->block_table, S->max_blocks, S->seq_lens, n,
+                          S->heads, S->kv_heads, hd, L->scale, L->window, S->of, 0.0f, NULL, S->epochs);
+}
 
 static inline float ld_f32(const float *p) { return *p; }
 static inline float ld_bf16(const bf16 *p) { return bf16_to_f32(*p); }
@@ -103,17 +137,31 @@ void decode_layer_##SUFFIX(const layer_desc *L, const step_desc *S, T *x, T *res
     rotary_##SUFFIX(qkv, width, S->heads, qkv + q_width, width, S->kv_heads, (int)hd, S->rotary_dim,     \
                     (const T *)S->cos, (const T *)S->sin, n);                                            \
     T *cache = (T *)L->kv_cache;                                                                         \
+    int8_t *bytes = (int8_t *)L->kv_cache;                                                               \
     const int64_t bs = S->block_size;                                                                    \
     for (int64_t t = 0; t < n; t++) { /* K row at (block, 0, offset), V row at (block, 1, offset) */     \
-        T *page = cache + (S->slots[t] / bs) * L->page_stride;                                           \
         const int64_t off = S->slots[t] % bs;                                                            \
-        memcpy(page + off * kv_width, qkv + t * width + q_width, sizeof(T) * (size_t)kv_width);          \
-        memcpy(page + (bs + off) * kv_width, qkv + t * width + q_width + kv_width, sizeof(T) * (size_t)kv_width); \
+        const T *k = qkv + t * width + q_width, *v = k + kv_width;                                        \
+        if (L->kv_kind == KV_MODEL) {                                                                    \
+            T *page = cache + (S->slots[t] / bs) * L->page_stride;                                       \
+            memcpy(page + off * kv_width, k, sizeof(T) * (size_t)kv_width);                              \
+            memcpy(page + (bs + off) * kv_width, v, sizeof(T) * (size_t)kv_width);                       \
+        } else { /* rows of the page seen as [2 * bs, kv_width] bytes */                                \
+            const int64_t rows[2] = {off, bs + off};                                                     \
+            int8_t *page = bytes + (S->slots[t] / bs) * L->page_stride;                                  \
+            (L->kv_kind == KV_FP8 ? kv_write_fp8_##SUFFIX : kv_write_int8_##SUFFIX)(                     \
+                k, 0, v, 0, 1, (int)kv_width, page, rows, L->k_write, L->v_write);                       \
+        }                                                                                                \
         for (int64_t j = 0; j < q_width; j++) S->qf[t * q_width + j] = ld_##SUFFIX(qkv + t * width + j);   \
     }                                                                                                    \
-    paged_decode_##SUFFIX(S->qf, cache, L->page_stride, S->block_size, S->block_table, S->max_blocks,    \
-                          S->seq_lens, (int)n, S->heads, S->kv_heads, (int)hd, L->scale, L->window,      \
-                          S->of, 0.0f, NULL, S->epochs);                                                         \
+    if (L->kv_kind == KV_MODEL)                                                                          \
+        paged_decode_##SUFFIX(S->qf, cache, L->page_stride, S->block_size, S->block_table, S->max_blocks, \
+                              S->seq_lens, (int)n, S->heads, S->kv_heads, (int)hd, L->scale, L->window,  \
+                              S->of, 0.0f, NULL, S->epochs);                                             \
+    else                                                                                                 \
+        decode_8bit(L, S, bytes);                                                                        \
+    if (L->kv_kind != KV_MODEL && L->v_scale != 1.0f) /* the module path's out.mul_(v_scale) */         \
+        for (int64_t j = 0; j < n * q_width; j++) S->of[j] *= L->v_scale;                                \
     for (int64_t j = 0; j < n * q_width; j++) st_##SUFFIX(attn + j, S->of[j]);                           \
     qgemm_##SUFFIX##_call(L->o, attn, n, q_width, h, hidden);                                            \
     rms_norm_##SUFFIX(h, residual, (const T *)L->ln2, h, residual, n, (int)hidden, L->eps);              \
