@@ -244,8 +244,13 @@ CASCADE_GROUPS = {
         (0, [50, 600, 1]),
     ],
     # One group of 9 (a request's decode and 8 drafts): fewer items than threads' worth, so the
-    # members are spread over more items.
+    # members are spread over more items (27 rows as 15 + 12: no more row blocks).
     "one": [(18, [300 + i for i in range(9)])],
+    # One group of 5 (a decode and 4 drafts): 15 rows, one row block whatever the spread, so the shared
+    # keys are cut into pieces instead, each a partial merged with the rest.
+    "one-cut": [(18, [300 + i for i in range(5)])],
+    # Two groups of 2 (n = 2 samples of two prompts) and a single request.
+    "pairs": [(9, [150, 160]), (12, [200, 205]), (0, [90])],
 }
 
 
@@ -254,8 +259,9 @@ def test_c_kernel_cascade_over_shared_pages_matches_torch_path(monkeypatch, case
     """Decodes whose block tables share leading pages (a system prompt's, n samples'): the kernel attends
     the common pages once per group (cascade) and merges with each request's own tokens. Groups of 2 to
     20, members sharing different numbers of pages (the group takes what all share), members whose
-    context ends inside the shared pages, a group sharing too little to be one, single requests; one
-    small group alone; against the float32 torch path and against the kernel with cascade off."""
+    context ends inside the shared pages, a group sharing too little to be one, single requests; small
+    groups alone, spread over items or cut into key pieces; against the float32 torch path and against
+    the kernel with cascade off."""
     import tokenos.layers.attention as attention
     from tokenos.layers import cpu_kernels
 

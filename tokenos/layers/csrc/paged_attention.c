@@ -762,14 +762,17 @@ static int find_shared(const int32_t *table, int max_blocks, const int32_t *seq_
 }
 
 #ifdef __AVX512BF16__
+void shared_prefix_pieces(int num_groups, const int *member0, const int *tokens, int num_kv_heads, int g, int d,
+                          int threads, int *pieces, int *per);
 void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t page_stride, int block_size,
                                const int32_t *block_table, int max_blocks, int num_groups, const int *members,
-                               const int *member0, const int *tokens, const int *slot, int num_heads,
-                               int num_kv_heads, int d, float scale, float cap, float *pm, float *pl, float *po,
-                               const int64_t *epochs);
+                               const int *member0, const int *tokens, const int *pieces, const int *per,
+                               const int *slot, int num_heads, int num_kv_heads, int d, float scale, float cap,
+                               float *pm, float *pl, float *po, const int64_t *epochs);
 #define CASCADE_BF16 1
 #else
 #define CASCADE_BF16 0
+#define shared_prefix_pieces(...) abort()
 #define shared_prefix_decode_bf16(...) abort()
 #endif
 int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size); /* prefill_attention.c, every build */
@@ -791,22 +794,30 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     const int per_split = whole ? 1 : num_kv_heads * ((group + MAX_GROUP - 1) / MAX_GROUP);       \
     const int chunks = (group + MAX_GROUP - 1) / MAX_GROUP;                                       \
     const int base = num_reqs * per_split;                                                        \
-    int *first = (int *)malloc(sizeof(int) * (size_t)(6 * num_reqs + 2));                         \
-    /* shared[r]: tokens of request r attended with its group (see find_shared); the last of its  \
-     * splits, slot[r], is then the group's partial, and the others cover [shared[r], len). */    \
+    int *first = (int *)malloc(sizeof(int) * (size_t)(9 * num_reqs + 2));                         \
+    /* shared[r]: tokens of request r attended with its group (see find_shared); the last parts[r] \
+     * of its splits, from slot[r], are then the group's partials (one per piece of its prefix),   \
+     * and the others cover [shared[r], len). */                                                  \
     int *shared = first + num_reqs + 1, *members = shared + num_reqs, *member0 = members + num_reqs; \
-    int *slot = member0 + num_reqs + 1, *tokens = slot + num_reqs;                                \
+    int *slot = member0 + num_reqs + 1, *tokens = slot + num_reqs, *pieces = tokens + num_reqs;   \
+    int *parts = pieces + num_reqs, *per = parts + num_reqs;                                      \
     const int groups = CASCADE && cascade_enabled && whole && window <= 0 && num_reqs > 1         \
                        && paged_prefill_supports(num_heads, num_kv_heads, d)                      \
         ? find_shared(block_table, max_blocks, seq_lens, num_reqs, block_size, shared, members, member0, tokens) \
         : 0;                                                                                      \
     if (!groups) memset(shared, 0, sizeof(int) * (size_t)num_reqs);                               \
+    memset(parts, 0, sizeof(int) * (size_t)num_reqs);                                             \
+    if (groups) {                                                                                 \
+        shared_prefix_pieces(groups, member0, tokens, num_kv_heads, group, d, threads, pieces, per); \
+        for (int j = 0; j < groups; j++)                                                          \
+            for (int m = member0[j]; m < member0[j + 1]; m++) parts[members[m]] = pieces[j];      \
+    }                                                                                             \
     first[0] = 0;                                                                                 \
     for (int r = 0; r < num_reqs; r++) {                                                          \
         const int len = seq_lens[r];                                                              \
         const int n = (window > 0 && len > window) ? window : len;                                \
-        first[r + 1] = first[r] + num_splits(n - shared[r], base, threads) + (shared[r] > 0);     \
-        slot[r] = first[r + 1] - 1;                                                               \
+        first[r + 1] = first[r] + num_splits(n - shared[r], base, threads) + parts[r];            \
+        slot[r] = first[r + 1] - parts[r];                                                        \
     }                                                                                             \
     const int total_splits = first[num_reqs];                                                     \
     const int64_t items = (int64_t)total_splits * per_split;                                      \
@@ -827,9 +838,9 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
           r = lo; }                                                                               \
         const int nsplit = first[r + 1] - first[r], k = split_index - first[r];                  \
         const int len = seq_lens[r], sh = shared[r];                                              \
-        if (sh > 0 && k == nsplit - 1) continue; /* the group's partial */                        \
+        if (k >= nsplit - parts[r]) continue; /* the group's partials */                           \
         const int start = (window > 0 && len > window) ? len - window : 0;                        \
-        const int n = len - start - sh, own = nsplit - (sh > 0);                                  \
+        const int n = len - start - sh, own = nsplit - parts[r];                                  \
         const int t0 = sh + (int)((int64_t)n * k / own), t1 = sh + (int)((int64_t)n * (k + 1) / own); \
         const int32_t *blocks = block_table + (int64_t)r * max_blocks;                            \
         const int h0 = whole ? 0 : kh * group + c * MAX_GROUP;                                    \
@@ -849,7 +860,7 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     }                                                                                             \
     if (groups)                                                                                   \
         shared_prefix_decode_bf16(q, (const uint16_t *)cache, page_stride, block_size, block_table, max_blocks, \
-                                  groups, members, member0, tokens, slot, num_heads, num_kv_heads, d, \
+                                  groups, members, member0, tokens, pieces, per, slot, num_heads, num_kv_heads, d, \
                                   scale, cap, pm, pl, po, epochs);                                \
     if (total_splits == num_reqs) { free(first); return; }                                        \
     /* Merge each request's splits: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s; a sink joins \

@@ -686,36 +686,73 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
  * request's tokens.
  *
  * Group j: members[member0[j] .. member0[j + 1]) (request indices, the first one's block table used),
- * over its first tokens[j] tokens (whole pages). q: float32 [requests, num_heads, d], rounded to
- * bf16 as the decode kernel rounds it; partial slot slot[r] of request r gets pm/pl [num_heads] and
- * po [num_heads, d] at slot * num_heads. epochs: see above (NULL: pack every group afresh). */
+ * over its first tokens[j] tokens (whole pages), per[j] members an item, in pieces[j] consecutive key
+ * ranges (see shared_prefix_pieces). q: float32 [requests, num_heads, d], rounded to bf16 as the decode kernel
+ * rounds it; partial slots slot[r] .. slot[r] + pieces - 1 of request r get, piece by piece, pm/pl
+ * [num_heads] and po [num_heads, d] at slot * num_heads. epochs: see above (NULL: pack every group
+ * afresh). */
 #define SP_MEMBERS (PF_MAX_ROWS / PF_MAX_G) /* members per item: 16, whatever the GQA group */
+#define SP_MIN_PIECE_TILES 2                /* keys per piece: at least 64 */
+
+/* Row blocks of an item of `members` members (g query heads each): AMX tiles of 16 rows, or the
+ * AVX-512 path's register blocks of PF_RS. */
+static int64_t row_blocks(int64_t members, int g, int amx) {
+    const int block = amx ? 16 : PF_RS;
+    return (members * g + block - 1) / block;
+}
+
+/* How each group's items are made when the groups' natural items (a KV head and up to SP_MEMBERS
+ * members each) would leave threads idle, as one request's verify step does (5 tokens: 3 items for 2
+ * threads): its members spread over more items (per[j] members each), where that adds no row block
+ * (9 tokens: 27 rows as 15 + 12), else its prefix cut into pieces[j] key ranges, each a partial the
+ * decode kernel merges like its splits (5 tokens: 15 rows, one AMX tile whether 15 or 6 are live).
+ * Spreading members repeats every key for each item; cutting keys repeats no work but adds partials. */
+void shared_prefix_pieces(int num_groups, const int *member0, const int *tokens, int num_kv_heads, int g, int d,
+                          int threads, int *pieces, int *per) {
+    const int amx = prefill_amx(d);
+    int64_t whole = 0;
+    for (int j = 0; j < num_groups; j++)
+        whole += (int64_t)num_kv_heads * ((member0[j + 1] - member0[j] + SP_MEMBERS - 1) / SP_MEMBERS);
+    const int64_t want = 2 * (int64_t)threads;
+    const int64_t cut = whole >= want ? 1 : (want + whole - 1) / whole;
+    for (int j = 0; j < num_groups; j++) {
+        const int count = member0[j + 1] - member0[j];
+        const int64_t base = (count + SP_MEMBERS - 1) / SP_MEMBERS;
+        int64_t chunks = base * cut < count ? base * cut : count;
+        const int spread = (int)((count + chunks - 1) / chunks);
+        chunks = (count + spread - 1) / spread;
+        const int64_t blocks_spread = (chunks - 1) * row_blocks(spread, g, amx)
+                                      + row_blocks(count - (chunks - 1) * spread, g, amx);
+        const int64_t blocks_whole = (base - 1) * row_blocks(SP_MEMBERS, g, amx)
+                                     + row_blocks(count - (base - 1) * SP_MEMBERS, g, amx);
+        const int64_t most = (tokens[j] + PF_KT - 1) / PF_KT / SP_MIN_PIECE_TILES;
+        if (cut == 1 || blocks_spread <= blocks_whole || most < 2) {
+            pieces[j] = 1;
+            per[j] = cut == 1 ? SP_MEMBERS : spread;
+        } else {
+            pieces[j] = (int)(cut < most ? cut : most);
+            per[j] = SP_MEMBERS;
+        }
+    }
+}
+
 void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t page_stride, int block_size,
                                const int32_t *block_table, int max_blocks, int num_groups, const int *members,
-                               const int *member0, const int *tokens, const int *slot, int num_heads,
-                               int num_kv_heads, int d, float scale, float cap, float *pm, float *pl, float *po,
-                               const int64_t *epochs) {
+                               const int *member0, const int *tokens, const int *pieces, const int *per,
+                               const int *slot, int num_heads, int num_kv_heads, int d, float scale, float cap,
+                               float *pm, float *pl, float *po, const int64_t *epochs) {
     const int g = num_heads / num_kv_heads;
     const int64_t row = (int64_t)num_kv_heads * d, v_offset = (int64_t)block_size * row;
     int64_t *item0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_groups + 1));
     const int32_t **blocks = (const int32_t **)malloc(sizeof(*blocks) * (size_t)num_groups);
     int *k0 = (int *)calloc((size_t)num_groups, sizeof(int)); /* every group's keys from 0 */
     int *todo = (int *)malloc(sizeof(int) * (size_t)num_groups), ntodo = 0;
-    /* Members per item: up to SP_MEMBERS, fewer where whole chunks would leave threads idle. */
-    int *per = (int *)malloc(sizeof(int) * (size_t)num_groups);
-    int64_t whole = 0;
-    for (int j = 0; j < num_groups; j++)
-        whole += (int64_t)num_kv_heads * ((member0[j + 1] - member0[j] + SP_MEMBERS - 1) / SP_MEMBERS);
-    const int64_t want = 2 * (int64_t)omp_get_max_threads();
-    const int64_t spread = whole >= want ? 1 : (want + whole - 1) / whole;
+    /* Items of group j: (member chunk of per[j], piece, KV head), KV head fastest. */
     item0[0] = 0;
     for (int j = 0; j < num_groups; j++) {
         blocks[j] = block_table + (int64_t)members[member0[j]] * max_blocks;
-        const int count = member0[j + 1] - member0[j];
-        int64_t chunks = (count + SP_MEMBERS - 1) / SP_MEMBERS * spread;
-        if (chunks > count) chunks = count;
-        per[j] = (int)((count + chunks - 1) / chunks);
-        item0[j + 1] = item0[j] + (int64_t)num_kv_heads * ((count + per[j] - 1) / per[j]);
+        const int64_t chunks = (member0[j + 1] - member0[j] + per[j] - 1) / per[j];
+        item0[j + 1] = item0[j] + (int64_t)num_kv_heads * pieces[j] * chunks;
     }
     packed_kv pk;
     packed_init(&pk, num_groups, k0, tokens, num_kv_heads, d);
@@ -746,7 +783,8 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
         for (int64_t it = 0; it < items; it++) {
             const int j = unit_of(item0, it);
             const int64_t local = it - item0[j];
-            const int kh = (int)(local % num_kv_heads), chunk = (int)(local / num_kv_heads);
+            const int kh = (int)(local % num_kv_heads);
+            const int piece = (int)(local / num_kv_heads % pieces[j]), chunk = (int)(local / num_kv_heads / pieces[j]);
             const int m0 = member0[j] + chunk * per[j];
             const int m1 = m0 + per[j] < member0[j + 1] ? m0 + per[j] : member0[j + 1];
             const int live = (m1 - m0) * g, block = amx ? 16 : PF_RS;
@@ -765,11 +803,11 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
                 w->m[r] = -INFINITY;
                 w->l[r] = 0.f;
             }
-            const int64_t base = packed_base(&pk, j, kh);
-            attend_rows(pk.kp[j] + base, pk.vp[j] + base, 0, 0, (int)pk.ntiles[j], rows, d, scale,
-                        0, cap, w, amx);
+            const int64_t base = packed_base(&pk, j, kh), ntiles = pk.ntiles[j];
+            attend_rows(pk.kp[j] + base, pk.vp[j] + base, 0, (int)(ntiles * piece / pieces[j]),
+                        (int)(ntiles * (piece + 1) / pieces[j]), rows, d, scale, 0, cap, w, amx);
             for (int r = 0; r < live; r++) {
-                const int64_t at = (int64_t)slot[members[m0 + r / g]] * num_heads + kh * g + r % g;
+                const int64_t at = (int64_t)(slot[members[m0 + r / g]] + piece) * num_heads + kh * g + r % g;
                 pm[at] = w->m[r];
                 pl[at] = w->l[r];
                 memcpy(po + at * d, w->o + (int64_t)r * d, sizeof(float) * (size_t)d);
@@ -779,7 +817,7 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
     }
     if (keep) prefix_cache_end();
     packed_free(&pk);
-    free(item0); free(blocks); free(k0); free(todo); free(per);
+    free(item0); free(blocks); free(k0); free(todo);
 }
 
 #else
