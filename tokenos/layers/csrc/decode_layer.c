@@ -37,22 +37,15 @@ void rotary_f32(float *q, int64_t q_stride, int q_heads, float *k, int64_t k_str
                 int rotary_dim, const float *cos, const float *sin, int64_t tokens);
 void rotary_bf16(bf16 *q, int64_t q_stride, int q_heads, bf16 *k, int64_t k_stride, int k_heads, int head_dim,
                  int rotary_dim, const bf16 *cos, const bf16 *sin, int64_t tokens);
-void paged_decode_f32(const float *q, const float *cache, int64_t page_stride, int block_size,
-                      const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,
-                      int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,
-                      float cap, const float *sinks, const int64_t *epochs);
-void paged_decode_bf16(const float *q, const bf16 *cache, int64_t page_stride, int block_size,
-                       const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,
-                       int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,
-                       float cap, const float *sinks, const int64_t *epochs);
-void paged_decode_fp8(const float *q, const uint8_t *cache, int64_t page_stride, int block_size,
-                      const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,
-                      int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,
-                      float cap, const float *sinks, const int64_t *epochs);
-void paged_decode_int8(const float *q, const int8_t *cache, int64_t page_stride, int block_size,
-                       const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,
-                       int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,
-                       float cap, const float *sinks, const int64_t *epochs);
+#define DECLARE_DECODE(NAME, T)                                                                    \
+    void NAME(const float *q, const T *cache, int64_t page_stride, int block_size, const int32_t *block_table, \
+              int max_blocks, const int32_t *seq_lens, int num_reqs, int num_heads, int num_kv_heads,    \
+              int head_size, float scale, int window, float *out, float cap, const float *sinks,         \
+              const int64_t *epochs);
+DECLARE_DECODE(paged_decode_f32, float)
+DECLARE_DECODE(paged_decode_bf16, bf16)
+DECLARE_DECODE(paged_decode_fp8, uint8_t)
+DECLARE_DECODE(paged_decode_int8, int8_t)
 #define DECLARE_KV_WRITE(NAME, T)                                                                  \
     void NAME(const T *k, int64_t k_stride, const T *v, int64_t v_stride, int64_t n, int row, int8_t *flat, \
               const int64_t *rows, float sk, float sv);
