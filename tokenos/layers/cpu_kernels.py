@@ -446,8 +446,7 @@ def kv_write_8bit(
     as rows [*, KVH, D] of whole-row stride, int8 or float8_e4m3fn; rows int64 [2n], K's rows then V's.
     See paged_attention.c."""
     n, num_kv_heads, head_size = k.shape
-    fp8 = flat.dtype == torch.float8_e4m3fn
-    _fn("kv_write_fp8" if fp8 else "kv_write_int8", k.dtype)(
+    _fn("kv_write_fp8" if flat.dtype == torch.float8_e4m3fn else "kv_write_int8", k.dtype)(
         k.data_ptr(),
         k.stride(0),
         v.data_ptr(),
@@ -456,8 +455,17 @@ def kv_write_8bit(
         num_kv_heads * head_size,
         flat.data_ptr(),
         rows.data_ptr(),
-        *((k_scale, v_scale) if fp8 else (1.0 / k_scale, 1.0 / v_scale)),
+        *kv_write_scales(flat.dtype, k_scale, v_scale),
     )
+
+
+def kv_write_scales(dtype: torch.dtype, k_scale: float, v_scale: float) -> tuple[float, float]:
+    """What the C 8-bit write of pages of ``dtype`` takes for K and V: fp8 divides by the scales, int8
+    multiplies by their reciprocals (as `attention.quantize_int8` does), each rounded once to float32 by
+    the caller's ctypes argument or field."""
+    if dtype == torch.float8_e4m3fn:
+        return k_scale, v_scale
+    return 1.0 / k_scale, 1.0 / v_scale
 
 
 @cache  # asked by every attention layer every step; the library and the CPU do not change

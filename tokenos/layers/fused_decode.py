@@ -243,7 +243,7 @@ class FusedDecodePlan:
                 step = steps[id(meta)] = self._step(meta, batch, cos, sin, scratch)
             layer.desc.kv_cache = kv_cache.data_ptr()
             layer.desc.page_stride = kv_cache.stride(0)
-            _set_scales(layer.desc, layer.attn, _KV_KINDS.get(kv_cache.dtype, 0))
+            _set_scales(layer.desc, layer.attn, kv_cache.dtype)
             self.fn(
                 ctypes.byref(layer.desc),
                 ctypes.byref(step[0]),
@@ -281,17 +281,15 @@ class FusedDecodePlan:
         return desc, (table, lens, slots)
 
 
-def _set_scales(desc: LayerDesc, attn: Attention, kind: int) -> None:
+def _set_scales(desc: LayerDesc, attn: Attention, kv_dtype: torch.dtype) -> None:
     """The layer's scales as the module path applies them (attention.py): on 8-bit pages the softmax
-    scale times k_scale, the outputs times v_scale, and the write's divisors (fp8) or reciprocals (int8),
-    each a Python float rounded once to float32 as the ctypes calls there round it."""
-    desc.kv_kind = kind
-    if not kind:
+    scale times k_scale, the outputs times v_scale, and what the 8-bit write takes
+    (`cpu_kernels.kv_write_scales`), each a Python float rounded once to float32 as the ctypes calls
+    there round it."""
+    desc.kv_kind = _KV_KINDS.get(kv_dtype, 0)
+    if not desc.kv_kind:
         desc.scale = attn.scale
         return
     desc.scale = attn.scale * attn.k_scale
-    fp8 = kind == _KV_KINDS[torch.float8_e4m3fn]
-    desc.k_write, desc.v_write = (
-        (attn.k_scale, attn.v_scale) if fp8 else (1.0 / attn.k_scale, 1.0 / attn.v_scale)
-    )
+    desc.k_write, desc.v_write = cpu_kernels.kv_write_scales(kv_dtype, attn.k_scale, attn.v_scale)
     desc.v_scale = attn.v_scale
