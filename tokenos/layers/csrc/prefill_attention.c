@@ -378,11 +378,24 @@ static tile_pv_fn pv_for(int d) {
  * caller pads with zero queries), head sizes in multiples of 32. Tiles: 0, 1 accumulate, 2 holds A,
  * 3, 4 hold B. */
 
-/* s[r][t * PF_KT ..] = q_r . k over the block's nt tiles, unscaled (row stride PF_BS floats). */
+/* Slice i of n of [at, at + bytes) prefetched into L2: the keys of a prefix lie in memory (a packed
+ * prefix of 64 decodes is 94 MB), and a tile load that misses stalls its row of tile products; one
+ * burst of a block's 512 lines before it stalled on the fill buffers instead, so they go out a slice
+ * per tile product. */
+static inline void prefetch_slice(const char *at, int64_t bytes, int i, int n) {
+    if (!at) return;
+    const int64_t lines = (bytes + 63) / 64, l0 = lines * i / n, l1 = lines * (i + 1) / n;
+    for (int64_t l = l0; l < l1; l++) _mm_prefetch(at + l * 64, _MM_HINT_T1);
+}
+
+/* s[r][t * PF_KT ..] = q_r . k over the block's nt tiles, unscaled (row stride PF_BS floats); pf:
+ * bytes to prefetch meanwhile (the next block's keys). */
 static void block_scores_amx(const uint32_t *restrict qb, const uint32_t *restrict kp, int nt, int rows, int d,
-                             float *restrict s) {
+                             float *restrict s, const char *pf, int64_t pf_bytes) {
+    const int steps = rows / 16 * nt;
     for (int r0 = 0; r0 < rows; r0 += 16)
         for (int t = 0; t < nt; t++) {
+            prefetch_slice(pf, pf_bytes, r0 / 16 * nt + t, steps);
             const uint32_t *kt = kp + (int64_t)t * (d / 2) * PF_KT;
             _tile_zero(0);
             _tile_zero(1);
@@ -401,9 +414,11 @@ static void block_scores_amx(const uint32_t *restrict qb, const uint32_t *restri
 /* o[r] = alpha[r] * o[r] + p[r] V over the block's nt value tiles: the products accumulate in tiles
  * over the block, are stored to pv once and folded into the outputs by the vector unit. */
 static void block_pv_amx(const uint32_t *restrict p, const uint32_t *restrict vp, int nt, const float *restrict alpha,
-                         int rows, int d, float *restrict o, float *restrict pv) {
+                         int rows, int d, float *restrict o, float *restrict pv, const char *pf, int64_t pf_bytes) {
+    const int steps = rows / 16 * (d / 32);
     for (int r0 = 0; r0 < rows; r0 += 16)
         for (int j = 0; j < d; j += 32) {
+            prefetch_slice(pf, pf_bytes, r0 / 16 * (d / 32) + j / 32, steps);
             _tile_zero(0);
             _tile_zero(1);
             for (int t = 0; t < nt; t++) {
@@ -430,8 +445,8 @@ static void block_pv_amx(const uint32_t *restrict p, const uint32_t *restrict vp
 static int prefill_amx(int d) { return d % 32 == 0 && kernels_amx_ready(); }
 #else
 static int prefill_amx(int d) { (void)d; return 0; }
-#define block_scores_amx(qb, kp, nt, rows, d, s) ((void)(nt), abort())
-#define block_pv_amx(p, vp, nt, alpha, rows, d, o, pv) abort()
+#define block_scores_amx(qb, kp, nt, rows, d, s, pf, pf_bytes) ((void)(nt), abort())
+#define block_pv_amx(p, vp, nt, alpha, rows, d, o, pv, pf, pf_bytes) abort()
 #endif
 
 int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size) {
@@ -452,17 +467,26 @@ typedef struct {
 } pf_scratch;
 
 /* The online-softmax loop of an item over packed key tiles [tile0, tile1) (keys from kbase), for the
- * rows set up in w (bf16 queries, positions, m = -inf, l = 0); leaves unnormalized outputs in w->o. */
+ * rows set up in w (bf16 queries, positions, m = -inf, l = 0); leaves unnormalized outputs in w->o.
+ * stream: the tiles lie in memory, not in cache (a cached prefix's, see prefetch_slice), so the AMX
+ * loop asks for them a block ahead; a prefill chunk's were just packed. */
 static void attend_rows(const uint32_t *kp, const uint32_t *vp, int kbase, int tile0, int tile1, int rows, int d,
-                        float scale, int window, float cap, pf_scratch *w, int amx) {
+                        float scale, int window, float cap, pf_scratch *w, int amx, int stream) {
     memset(w->o, 0, sizeof(float) * (size_t)rows * d);
     if (amx) {
         for (int b0 = tile0; b0 < tile1; b0 += PF_BT) {
-            const int nt = tile1 - b0 < PF_BT ? tile1 - b0 : PF_BT;
-            block_scores_amx(w->qb, kp + (int64_t)b0 * (d / 2) * PF_KT, nt, rows, d, w->s);
+            const int nt = tile1 - b0 < PF_BT ? tile1 - b0 : PF_BT, b1 = b0 + PF_BT;
+            const int next = tile1 - b1 < PF_BT ? tile1 - b1 : PF_BT; /* tiles of the next block */
+            const int64_t next_bytes = (int64_t)next * PF_KT * d * 2;  /* of its keys, as of its values */
+            /* this block's values come in while its scores are made; the next block's keys and values
+             * while its P V is */
+            block_scores_amx(w->qb, kp + (int64_t)b0 * (d / 2) * PF_KT, nt, rows, d, w->s,
+                             stream ? (const char *)(vp + (int64_t)b0 * (PF_KT / 2) * d) : NULL,
+                             (int64_t)nt * PF_KT * d * 2);
             softmax_step(w->s, PF_BS, w->pos, rows, kbase + b0 * PF_KT, nt * PF_KT, window, scale, cap, w->m,
                          w->l, w->alpha, w->p);
-            block_pv_amx(w->p, vp + (int64_t)b0 * (PF_KT / 2) * d, nt, w->alpha, rows, d, w->o, w->pv);
+            block_pv_amx(w->p, vp + (int64_t)b0 * (PF_KT / 2) * d, nt, w->alpha, rows, d, w->o, w->pv,
+                         stream && next > 0 ? (const char *)(kp + (int64_t)b1 * (d / 2) * PF_KT) : NULL, next_bytes);
         }
         return;
     }
@@ -502,7 +526,7 @@ static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
     int lo_key = window > 0 ? first_pos - window + 1 : 0;
     if (lo_key < kbase) lo_key = kbase;
     attend_rows(kp, vp, kbase, (lo_key - kbase) / PF_KT, (last_pos - kbase) / PF_KT + 1, rows, d, scale, window,
-                cap, w, amx);
+                cap, w, amx, 0);
     for (int r = 0; r < live; r++) {
         const int t = t0 + r / g, h = r % g;
         const float f = sinks ? sink_factor(w->m[r], w->l[r], sinks[kh * g + h])
@@ -805,7 +829,7 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
             }
             const int64_t base = packed_base(&pk, j, kh), ntiles = pk.ntiles[j];
             attend_rows(pk.kp[j] + base, pk.vp[j] + base, 0, (int)(ntiles * piece / pieces[j]),
-                        (int)(ntiles * (piece + 1) / pieces[j]), rows, d, scale, 0, cap, w, amx);
+                        (int)(ntiles * (piece + 1) / pieces[j]), rows, d, scale, 0, cap, w, amx, 1);
             for (int r = 0; r < live; r++) {
                 const int64_t at = (int64_t)(slot[members[m0 + r / g]] + piece) * num_heads + kh * g + r % g;
                 pm[at] = w->m[r];
