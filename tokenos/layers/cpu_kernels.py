@@ -59,6 +59,7 @@ _QLINEAR_SIGNATURES = {
     "qgemm_bf16_desc": [_P, _P, _I64, _I64, _P, _I64, _I],
     "qgemm_f32_desc": [_P, _P, _I64, _I64, _P, _I64],
     "qdequant_f32_desc": [_P, _I64, _I64, _P],
+    "qgemm_bf16_argmax_desc": [_P, _P, _I64, _I64, _P],
 }
 
 
@@ -224,6 +225,15 @@ def qgemm_kernel(dtype: torch.dtype):
         return None
     bit = 2 if dtype == torch.bfloat16 else 1
     return getattr(lib, f"qgemm_{DTYPES[dtype]}_desc") if lib.qlinear_available() & bit else None
+
+
+@cache
+def qargmax_kernel():
+    """csrc/qlinear.c's ``qgemm_bf16_argmax_desc`` (a `QDesc` address, bf16 x, its rows, its row stride,
+    an int64 [rows] out): each row's argmax of the float32 products, none stored; None where the bf16
+    kernels are not built."""
+    lib = load()
+    return lib.qgemm_bf16_argmax_desc if lib is not None and lib.qlinear_available() & 2 else None
 
 
 @cache

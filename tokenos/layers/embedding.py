@@ -93,6 +93,11 @@ class LMHead(_QuantizableTable):
             if not self.tied:
                 self.weight = None
 
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of ``forward(hidden)`` without the logits (int64 [rows]), where the packed
+        quantized table's kernel gives it; None: compute the logits."""
+        return None if self.quantized is None else self.quantized.argmax(hidden)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
             return self.quantized(hidden, out_dtype=torch.float32)

@@ -228,6 +228,21 @@ class QuantizedWeight:
             out += bias
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], n)
 
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Each row's argmax of ``x W^T`` as float32 (int64 [rows]), the products never stored: what
+        ``self(x, out_dtype=torch.float32).argmax(1)`` gives. None where the bf16 kernel does not take
+        x (then compute the products)."""
+        if x.dtype != torch.bfloat16 or torch.bfloat16 not in self._gemms:
+            return None
+        if x.dim() != 2 or x.shape[0] == 0 or x.stride(-1) != 1:
+            return None
+        kernel = cpu_kernels.qargmax_kernel()
+        if kernel is None:
+            return None
+        ids = torch.empty(x.shape[0], dtype=torch.int64)
+        kernel(self._desc_address, x.data_ptr(), x.shape[0], x.stride(0), ids.data_ptr())
+        return ids
+
     def _dense_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """x W^T for many fp32 rows: the weight dequantized by the C kernel in pieces of rows (exactly
         `dequantize`'s floats) and multiplied with torch's GEMM, which is faster there than the panel."""

@@ -120,3 +120,12 @@ class CausalLM(PagedModel):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits ``[n, vocab]``; pass only the rows that are sampled."""
         return self.lm_head(hidden)
+
+    @torch.inference_mode()
+    def greedy_ids(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``compute_logits(hidden).argmax(1)`` without the logits where the LM head can (a greedy batch
+        at 64 rows writes and reads back 12.6 MB of them otherwise); None: compute them. A model whose
+        logits are more than the head's products (scaled, soft-capped) always computes them."""
+        if type(self).compute_logits is not CausalLM.compute_logits:
+            return None
+        return self.lm_head.greedy(hidden)

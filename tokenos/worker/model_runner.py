@@ -293,13 +293,18 @@ class ModelRunner:
 
         seq_after = inputs.seq_lens
         sample_mask = seq_after >= batch.num_tokens[:n]
-        logits = self.model.compute_logits(hidden[torch.from_numpy(inputs.last_token_indices)])
-        if grammar_masks:
-            apply_grammar_masks(logits, req_ids, grammar_masks)
         # rows still mid-prompt sample nothing; their seeded generators must not advance
         discard = np.flatnonzero(~sample_mask).tolist()
         metadata = batch.sampling.make_metadata(n, discard_rows=discard)
-        sampled, sampled_logprobs, failed = self._sample(logits, metadata, req_ids)
+        rows = hidden[torch.from_numpy(inputs.last_token_indices)]
+        greedy = None if grammar_masks else self._greedy_ids(rows, metadata)
+        if greedy is not None:
+            sampled, sampled_logprobs, failed = greedy, [None] * n, {}
+        else:
+            logits = self.model.compute_logits(rows)
+            if grammar_masks:
+                apply_grammar_masks(logits, req_ids, grammar_masks)
+            sampled, sampled_logprobs, failed = self._sample(logits, metadata, req_ids)
         failed = self._failed_adapters(failed)
 
         sampled_lists: list[list[int]] = []
@@ -521,6 +526,16 @@ class ModelRunner:
             if row in states:
                 sampling.generators[row].set_state(states[row])
         return out.token_ids, out.logprobs, {}
+
+    def _greedy_ids(self, rows: torch.Tensor, metadata: SamplingMetadata) -> list[int] | None:
+        """The tokens of a batch that only takes each row's argmax (greedy, no logprobs, nothing that
+        edits a logit), straight from the LM head where the model can (`CausalLM.greedy_ids`): the
+        tokens the sampler would pick from the logits; None: sample from the logits."""
+        if not metadata.all_greedy or metadata.edits_logits or metadata.max_num_logprobs is not None:
+            return None
+        greedy_ids = getattr(self.model, "greedy_ids", None)
+        ids = greedy_ids(rows) if greedy_ids is not None else None
+        return None if ids is None else ids.tolist()
 
     def _sample(
         self, logits: torch.Tensor, metadata: SamplingMetadata, req_ids: list[str]

@@ -70,6 +70,41 @@ def test_prefix_hits_and_preemption(quantized_llama):
     check_parity(outputs, prompts, ref)
 
 
+@pytest.mark.skipif(not native_bf16_supported(), reason="the bf16 quantized kernel needs native bf16")
+def test_greedy_ids_from_the_head_are_the_sampled_ones(quantized_llama, monkeypatch):
+    """bf16: a batch that only takes argmaxes gets its tokens from the quantized LM head without its
+    logits (`CausalLM.greedy_ids`); asking for logprobs computes the logits and samples them. Both give
+    the same tokens, batch sizes 1 to 12 (the few-row and the panel kernels)."""
+    folder, _, method = quantized_llama
+    from tokenos.layers.embedding import LMHead
+
+    calls = []
+    original = LMHead.greedy
+
+    def counted(self, hidden):
+        ids = original(self, hidden)
+        calls.append(ids is not None)
+        return ids
+
+    monkeypatch.setattr(LMHead, "greedy", counted)
+    # no prefix hits: the second run must compute what the first did (bf16 sums in another order may
+    # flip a near-tie of this random model)
+    llm = make_llm(
+        folder, quantization=method, dtype="bfloat16", max_num_seqs=12, enable_prefix_caching=False
+    )
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(12, 3, 40, seed=13)]
+
+    def tokens(logprobs):
+        params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=logprobs)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    fused = tokens(None)
+    assert calls and all(calls)
+    calls.clear()
+    assert tokens(0) == fused
+    assert not calls
+
+
 def test_quantization_is_checked_before_loading(quantized_llama):
     folder, _, _ = quantized_llama
     with pytest.raises(ValueError, match="needs a .gguf"):

@@ -24,9 +24,12 @@
  * rows multiply the integer cells on tiles, exact as the few-row path (qgemv_amx). The fp32 build
  * (AVX2) takes a panel path in fp32 past MV32 rows; fewer (qgemv_f32) go straight from the cells;
  * qdequant_f32_desc writes rows of the weight as dense fp32 for a torch GEMM at many rows.
+ * qgemm_bf16_argmax_desc runs the same bf16 paths but keeps each row's argmax instead of its outputs
+ * (an LM head's greedy ids without its logits).
  * Built where the compiler targets AVX2 + FMA + F16C (fp32) and AVX512-BF16 (bf16);
  * qlinear_available() says which.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -83,11 +86,21 @@ static inline const uint8_t *cell_at(const uint8_t *cells, int64_t p, int bits) 
  * plain read reaches 29; 8 KiB ahead: 23 GB/s; 256 B to 4 KiB ahead changed little). */
 #define STREAM_AHEAD 8192
 
+/* A row's greedy pick so far over the columns one thread has seen: the largest value and its first
+ * column (i < 0: none seen yet), or the first NaN's column (nan < 0: none), NaN ranking above all as in
+ * torch's argmax. */
+typedef struct {
+    float v;
+    int64_t i, nan;
+} row_best;
+
 typedef struct {
     const uint8_t *q;
     const uint16_t *s, *z;
     int bits, group;
     int64_t K, N;
+    row_best *best; /* NULL: outputs are stored; else [threads][M] picks and nothing stored */
+    int64_t M;
 } qweight;
 
 /* A cell's 32 integers as bf16 pairs (dword lane r = row r). An int4 nibble v becomes the bit pattern
@@ -151,9 +164,43 @@ static void group_sums(const qweight *w, const uint16_t *x, int64_t M, int64_t x
         }
 }
 
-static void store_rows(const float *acc, int64_t rows, int64_t n0, int64_t N, void *out, int64_t os,
-                       int out_f32) {
+/* Rows [m0, m0 + rows) of a 32-column tile (acc, row stride 32) into the thread's picks. */
+static void pick_rows(const qweight *w, const float *acc, int64_t m0, int64_t rows, int64_t n0, int64_t width) {
+    int me = 0;
+#ifdef _OPENMP
+    me = omp_get_thread_num();
+#endif
+    row_best *b = w->best + (int64_t)me * w->M + m0;
+    const __mmask16 m_lo = (__mmask16)(width >= 16 ? 0xFFFF : (1u << width) - 1);
+    const __mmask16 m_hi = (__mmask16)(width >= 32 ? 0xFFFF : width > 16 ? (1u << (width - 16)) - 1 : 0);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int64_t i = 0; i < rows; i++) {
+        if (b[i].nan >= 0) continue; /* a NaN in an earlier column outranks everything after it */
+        const float *a = acc + i * 32;
+        const __m512 lo = _mm512_mask_loadu_ps(ninf, m_lo, a), hi = _mm512_mask_loadu_ps(ninf, m_hi, a + 16);
+        const uint32_t nan = (uint32_t)_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q)
+                             | (uint32_t)_mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q) << 16;
+        if (nan) {
+            b[i].nan = n0 + __builtin_ctz(nan);
+            continue;
+        }
+        const float top = _mm512_reduce_max_ps(_mm512_max_ps(lo, hi));
+        if (b[i].i >= 0 && !(top > b[i].v)) continue; /* ties keep the earlier column */
+        const __m512 t = _mm512_set1_ps(top);
+        const uint32_t eq = (uint32_t)_mm512_cmp_ps_mask(lo, t, _CMP_EQ_OQ)
+                            | (uint32_t)_mm512_cmp_ps_mask(hi, t, _CMP_EQ_OQ) << 16;
+        b[i].v = top;
+        b[i].i = n0 + __builtin_ctz(eq);
+    }
+}
+
+static void store_rows(const qweight *w, const float *acc, int64_t m0, int64_t rows, int64_t n0, int64_t N,
+                       void *out, int64_t os, int out_f32) {
     int64_t width = N - n0 < 32 ? N - n0 : 32;
+    if (w->best) {
+        pick_rows(w, acc, m0, rows, n0, width);
+        return;
+    }
     for (int64_t i = 0; i < rows; i++) {
         for (int h = 0; h < 2 && h * 16 < width; h++) {
             int64_t lanes = width - h * 16 < 16 ? width - h * 16 : 16;
@@ -275,7 +322,7 @@ static void qgemv_bf16(const qweight *w, const uint16_t *x, int64_t M, int64_t x
         case 2: gemv_tile(2, w, 2 * t, x, xs, xsum, acc); break;
         default: gemv_tile(1, w, 2 * t, x, xs, xsum, acc); break;
         }
-        store_rows(acc, M, 32 * t, w->N, out, os, out_f32);
+        store_rows(w, acc, 0, M, 32 * t, w->N, out, os, out_f32);
     }
 }
 
@@ -477,7 +524,7 @@ static void qgemm_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs
                 const uint16_t *a = m0 < full ? x + m0 * xs : pad;
                 for (int64_t t = g0; t < g1; t++) {
                     amx_stripe_rows(a, m0 < full ? xs : K, panel + (t - g0) * (K / 2) * 2, K, rows > 16, c);
-                    store_rows(c, rows, 32 * t, w->N, (char *)out + m0 * os * esize, os, out_f32);
+                    store_rows(w, c, m0, rows, 32 * t, w->N, (char *)out + m0 * os * esize, os, out_f32);
                 }
             }
         }
@@ -561,19 +608,19 @@ static void qgemv_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs
                 if (g > 0) scale_group(w, t, g - 1, groups, offset, c[(g - 1) & 1], xsum, M, acc);
             }
             scale_group(w, t, groups - 1, groups, offset, c[(groups - 1) & 1], xsum, M, acc);
-            store_rows(acc, M, 32 * t, w->N, out, os, out_f32);
+            store_rows(w, acc, 0, M, 32 * t, w->N, out, os, out_f32);
         }
         if (t0 < t1) _tile_release();
     }
 }
 #endif
 
-void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s,
-                const uint16_t *z, int bits, int group, int64_t N, int64_t K, void *out, int64_t os,
-                int out_f32) {
-    qweight w = {q, s, z, bits, group, K, N};
+static void qgemm_bf16_w(const qweight *wp, const uint16_t *x, int64_t M, int64_t xs, void *out, int64_t os,
+                         int out_f32) {
+    const qweight w = *wp;
+    const int64_t N = w.N, K = w.K;
 #if QL_AMX
-    if (M >= AMX_FEW_MIN && M <= AMX_FEW_MAX && group % 32 == 0 && kernels_amx_ready()) {
+    if (M >= AMX_FEW_MIN && M <= AMX_FEW_MAX && w.group % 32 == 0 && kernels_amx_ready()) {
         qgemv_amx(&w, x, M, xs, out, os, out_f32);
         return;
     }
@@ -612,10 +659,45 @@ void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, cons
                     }
                 }
             }
-            store_rows(acc, M, 32 * t, N, out, os, out_f32);
+            store_rows(&w, acc, 0, M, 32 * t, N, out, os, out_f32);
         }
         free(acc);
     }
+}
+
+void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s,
+                const uint16_t *z, int bits, int group, int64_t N, int64_t K, void *out, int64_t os,
+                int out_f32) {
+    const qweight w = {q, s, z, bits, group, K, N, NULL, M};
+    qgemm_bf16_w(&w, x, M, xs, out, os, out_f32);
+}
+
+/* Greedy ids of x W^T without storing it (an LM head's [M, vocab] float32 logits are written and read
+ * back otherwise: 12.6 MB at batch 64): ids[m] is torch's argmax of row m of the float32 outputs
+ * qgemm_bf16 would store, that is the same sums, picked per tile (pick_rows) and merged here in column
+ * order, every thread's columns being one contiguous run after the previous thread's. */
+void qgemm_bf16_argmax_desc(const qdesc *d, const uint16_t *x, int64_t M, int64_t xs, int64_t *ids) {
+    int threads = 1;
+#ifdef _OPENMP
+    threads = omp_get_max_threads();
+#endif
+    row_best *best = malloc(sizeof(row_best) * (size_t)(threads * M));
+    for (int64_t i = 0; i < threads * M; i++) best[i] = (row_best){-INFINITY, -1, -1};
+    const qweight w = {d->q, d->s, d->z, d->bits, d->group, d->K, d->N, best, M};
+    qgemm_bf16_w(&w, x, M, xs, NULL, 0, 1);
+    for (int64_t m = 0; m < M; m++) {
+        int64_t pick = -1;
+        for (int t = 0; t < threads && pick < 0; t++) /* the first NaN, whatever else the row holds */
+            pick = best[(int64_t)t * M + m].nan;
+        float top = -INFINITY;
+        if (pick < 0)
+            for (int t = 0; t < threads; t++) {
+                const row_best *b = best + (int64_t)t * M + m;
+                if (b->i >= 0 && (pick < 0 || b->v > top)) pick = b->i, top = b->v;
+            }
+        ids[m] = pick;
+    }
+    free(best);
 }
 #else
 void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s,
@@ -623,6 +705,7 @@ void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, cons
                 int out_f32) {
     abort(); /* the caller checks qlinear_available() first */
 }
+void qgemm_bf16_argmax_desc(const qdesc *d, const uint16_t *x, int64_t M, int64_t xs, int64_t *ids) { abort(); }
 #endif
 
 #if !QL_AMX
