@@ -35,6 +35,7 @@ from tokenos.lora.manager import LoRAManager
 from tokenos.models import build_model
 from tokenos.models.config import ModelConfig
 from tokenos.platform import configure_threads, cpu_summary, dtype_name, native_bf16_supported
+from tokenos.sample import ops
 from tokenos.sample.logits_processor import EngineConfig, LogitsProcessor, build_logits_processors
 from tokenos.sample.metadata import SamplingMetadata
 from tokenos.sample.rejection import RejectionSampler
@@ -474,13 +475,18 @@ class ModelRunner:
         width = np.where(sample_mask, num_drafts + 1, 1)  # rows mid-prompt: one row, discarded below
         ends = inputs.query_end
         index = np.concatenate([np.arange(e - w, e) for e, w in zip(ends, width, strict=True)])
-        logits = self.model.compute_logits(hidden[torch.from_numpy(index)])
+        rows = hidden[torch.from_numpy(index)]
         firsts = np.cumsum(width) - width  # each request's first logits row
-        if grammar_masks:
-            apply_grammar_masks(logits, *_draft_mask_rows(req_ids, firsts, width, grammar_masks))
-        discard = np.flatnonzero(~sample_mask).tolist()
-        draft_probs = self._draft_q(req_ids, drafts)
-        tokens, logprobs, failed = self._spec_sample(logits, firsts, drafts, req_ids, discard, draft_probs)
+        targets = None if grammar_masks else self._greedy_targets(rows, n)
+        if targets is not None:
+            tokens, logprobs, failed = _accept_greedy(targets, firsts, drafts), [None] * n, {}
+        else:
+            logits = self.model.compute_logits(rows)
+            if grammar_masks:
+                apply_grammar_masks(logits, *_draft_mask_rows(req_ids, firsts, width, grammar_masks))
+            discard = np.flatnonzero(~sample_mask).tolist()
+            q = self._draft_q(req_ids, drafts)
+            tokens, logprobs, failed = self._spec_sample(logits, firsts, drafts, req_ids, discard, q)
         failed = self._failed_adapters(failed)
         sampled_lists: list[list[int]] = []
         out_logprobs: list[list[TokenLogprobs] | None] = []
@@ -526,6 +532,22 @@ class ModelRunner:
             if row in states:
                 sampling.generators[row].set_state(states[row])
         return out.token_ids, out.logprobs, {}
+
+    def _greedy_targets(self, rows: torch.Tensor, n: int) -> list[int] | None:
+        """The argmax of every verified row, where the batch's requests all take the argmax whatever they
+        have drafted (greedy, no logprobs, no logit-editing stage; bad words could begin inside the
+        drafts, so none): what the rejection sampler would compare the drafts with, without its
+        per-position metadata. None: verify through `RejectionSampler`."""
+        sampling = self.input_batch.sampling
+        if sampling.num_bad_words_rows:
+            return None
+        metadata = sampling.make_metadata(n)
+        if metadata.logitsprocs is not None:
+            return None  # the rejection sampler refuses them (they follow the batch's rows)
+        if not metadata.all_greedy or metadata.edits_logits or metadata.max_num_logprobs is not None:
+            return None  # min_tokens: a row banning EOS now is in edits_logits; one that does not, later
+        ids = self._greedy_ids(rows, metadata)
+        return ids if ids is not None else ops.greedy_ids(self.model.compute_logits(rows)).tolist()
 
     def _greedy_ids(self, rows: torch.Tensor, metadata: SamplingMetadata) -> list[int] | None:
         """The tokens of a batch that only takes each row's argmax (greedy, no logprobs, nothing that
@@ -653,6 +675,18 @@ class ModelRunner:
             # the first prompt token has no logprob (nothing precedes it)
             out[req_ids[row]] = ([None] if first == 0 else []) + scored
         return out
+
+
+def _accept_greedy(targets: list[int], firsts: np.ndarray, drafts: list[list[int]]) -> list[list[int]]:
+    """Each request's drafts while they equal the target argmax, then the argmax where the first one
+    does not (or the bonus row's): `RejectionSampler`'s greedy rule."""
+    out = []
+    for first, d in zip(firsts.tolist(), drafts, strict=True):
+        a = 0
+        while a < len(d) and targets[first + a] == d[a]:
+            a += 1
+        out.append(d[:a] + [targets[first + a]])
+    return out
 
 
 def _row_generators(sampling, rows: Iterable[int]) -> dict[int, torch.Generator]:

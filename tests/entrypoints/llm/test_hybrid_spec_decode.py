@@ -18,6 +18,7 @@ import pytest
 
 from tests.fixtures.checkpoints import VOCAB, save_tiny
 from tests.fixtures.llm import HYBRID, forked_counts, make_llm, preemption_workload
+from tokenos import SamplingParams
 from tokenos.bench.recording import record_schedules
 
 FAMILIES = ("mamba2", "bamba", "qwen3_next", "granitemoehybrid", "falcon_h1", "nemotron_h")
@@ -114,6 +115,19 @@ def test_greedy_parity_with_speculation(family, kwargs):
     answers = plain_answers(family, prompts)
     llm = scripted_llm(family, answers, **kwargs)
     assert greedy(llm, prompts) == [[answers[tuple(p)]] for p in prompts]
+    assert_accepted_and_rejected(llm)
+
+
+@DEEP
+def test_greedy_without_logprobs_commits_the_accepted_state(family):
+    """Verified on the argmax alone (no logprobs: the runner's `_greedy_targets`): the recurrent state
+    committed after each verify step is still the accepted position's."""
+    prompts = prompts_for(3)
+    answers = plain_answers(family, prompts)
+    llm = scripted_llm(family, answers)
+    params = SamplingParams(temperature=0.0, max_tokens=HYBRID.max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [answers[tuple(p)] for p in prompts]
     assert_accepted_and_rejected(llm)
 
 

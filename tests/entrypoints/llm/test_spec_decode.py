@@ -56,6 +56,22 @@ def test_greedy_parity_with_ngram_drafts(tiny_llama, kwargs):
         assert llm.get_metrics()["num_preemptions"] > 0
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"max_num_batched_tokens": 7}], ids=["mixed", "chunked7"])
+def test_greedy_without_logprobs_verifies_on_the_argmax_alone(tiny_llama, kwargs):
+    """No logprobs and nothing that edits a logit: each draft is checked against its row's argmax (the
+    runner's `_greedy_targets`, without the rejection sampler's metadata); the tokens stay
+    transformers' greedy ones, and some drafts are accepted, some rejected."""
+    folder, ref = tiny_llama
+    prompts = repetitive_prompts(5, seed=3)
+    llm = make_llm(folder, speculative_config=NGRAM, max_model_len=128, **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=DENSE.max_tokens, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert list(out.outputs[0].token_ids) == DENSE.reference(ref, prompt, DENSE.max_tokens)[0]
+    metrics = llm.get_metrics()["spec_decoding"]
+    assert 0 < metrics["num_accepted_tokens"] < metrics["num_draft_tokens"], metrics
+
+
 @pytest.mark.slow
 def test_prefix_hits_and_n_gt_1_keep_parity(tiny_llama):
     folder, ref = tiny_llama
