@@ -14,7 +14,7 @@ from tokenos.platform import native_bf16_supported
 
 pytestmark = pytest.mark.skipif(
     cpu_kernels.qargmax_kernel() is None or not native_bf16_supported(),
-    reason="no AVX512-BF16 quantized kernel on this CPU",
+    reason="no bf16 quantized C kernel (an AVX512-BF16 CPU with the C kernels on)",
 )
 
 ROWS = (1, 2, 3, 5, 8, 9, 16, 17, 31, 33, 64)

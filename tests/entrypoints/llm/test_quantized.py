@@ -20,6 +20,7 @@ from torch import nn
 from tests.fixtures.checkpoints import LLM_SHAPE, save_tiny
 from tests.fixtures.llm import DENSE, make_llm
 from tokenos import LLM, SamplingParams
+from tokenos.layers import cpu_kernels
 from tokenos.layers.quantization import quantize
 from tokenos.platform import native_bf16_supported
 
@@ -70,7 +71,10 @@ def test_prefix_hits_and_preemption(quantized_llama):
     check_parity(outputs, prompts, ref)
 
 
-@pytest.mark.skipif(not native_bf16_supported(), reason="the bf16 quantized kernel needs native bf16")
+@pytest.mark.skipif(
+    not native_bf16_supported() or cpu_kernels.qargmax_kernel() is None,
+    reason="the bf16 quantized kernel needs native bf16 and the C kernels",
+)
 def test_greedy_ids_from_the_head_are_the_sampled_ones(quantized_llama, monkeypatch):
     """bf16: a batch that only takes argmaxes gets its tokens from the quantized LM head without its
     logits (`CausalLM.greedy_ids`); asking for logprobs computes the logits and samples them. Both give
