@@ -39,7 +39,7 @@ _SOURCES = tuple(
         "argmax.c",
     )
 )
-_HEADERS = (_CSRC / "vec_math.h", _CSRC / "amx.h", _CSRC / "packed_prefix.h")
+_HEADERS = (_CSRC / "vec_math.h", _CSRC / "amx.h", _CSRC / "packed_prefix.h", _CSRC / "argmax.h")
 MAX_HEAD_SIZE = 512  # MAX_HEAD in the C source
 _P = ctypes.c_void_p
 _I = ctypes.c_int

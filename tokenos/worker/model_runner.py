@@ -298,7 +298,7 @@ class ModelRunner:
         discard = np.flatnonzero(~sample_mask).tolist()
         metadata = batch.sampling.make_metadata(n, discard_rows=discard)
         rows = hidden[torch.from_numpy(inputs.last_token_indices)]
-        greedy = None if grammar_masks else self._greedy_ids(rows, metadata)
+        greedy = self._head_argmax(rows) if not grammar_masks and _argmax_only(metadata) else None
         if greedy is not None:
             sampled, sampled_logprobs, failed = greedy, [None] * n, {}
         else:
@@ -544,17 +544,14 @@ class ModelRunner:
         metadata = sampling.make_metadata(n)
         if metadata.logitsprocs is not None:
             return None  # the rejection sampler refuses them (they follow the batch's rows)
-        if not metadata.all_greedy or metadata.edits_logits or metadata.max_num_logprobs is not None:
+        if not _argmax_only(metadata):
             return None  # min_tokens: a row banning EOS now is in edits_logits; one that does not, later
-        ids = self._greedy_ids(rows, metadata)
+        ids = self._head_argmax(rows)
         return ids if ids is not None else ops.greedy_ids(self.model.compute_logits(rows)).tolist()
 
-    def _greedy_ids(self, rows: torch.Tensor, metadata: SamplingMetadata) -> list[int] | None:
-        """The tokens of a batch that only takes each row's argmax (greedy, no logprobs, nothing that
-        edits a logit), straight from the LM head where the model can (`CausalLM.greedy_ids`): the
-        tokens the sampler would pick from the logits; None: sample from the logits."""
-        if not metadata.all_greedy or metadata.edits_logits or metadata.max_num_logprobs is not None:
-            return None
+    def _head_argmax(self, rows: torch.Tensor) -> list[int] | None:
+        """Each row's argmax of the logits straight from the LM head, where the model can give it without
+        them (`CausalLM.greedy_ids`); None: compute the logits."""
         greedy_ids = getattr(self.model, "greedy_ids", None)
         ids = greedy_ids(rows) if greedy_ids is not None else None
         return None if ids is None else ids.tolist()
@@ -675,6 +672,12 @@ class ModelRunner:
             # the first prompt token has no logprob (nothing precedes it)
             out[req_ids[row]] = ([None] if first == 0 else []) + scored
         return out
+
+
+def _argmax_only(metadata: SamplingMetadata) -> bool:
+    """Whether the sampler would take each row's argmax of the logits as they are: every row greedy, no
+    logprobs, no stage that edits a logit."""
+    return metadata.all_greedy and not metadata.edits_logits and metadata.max_num_logprobs is None
 
 
 def _accept_greedy(targets: list[int], firsts: np.ndarray, drafts: list[list[int]]) -> list[list[int]]:

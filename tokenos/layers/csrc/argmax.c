@@ -5,8 +5,8 @@
  * the row's maximum (NaNs noted aside), then the first lane equal to it (or the first NaN), which stops
  * where it finds it. Rows are shared out by thread, and a long row alone (one request) is cut into
  * pieces whose (maximum, index) pairs are then reduced in order, so the first one still wins. */
-#include <math.h>
-#include <stdint.h>
+#include "argmax.h"
+
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -17,12 +17,6 @@
 /* Parallel only where the work pays for waking the threads. */
 #define ARGMAX_PARALLEL_MIN (1 << 15)
 #define ARGMAX_MAX_PIECES 64
-
-typedef struct {
-    float max;   /* the piece's maximum (meaningless when nan) */
-    int64_t at;  /* the index of its first maximum, or of its first NaN */
-    int nan;
-} piece_max;
 
 /* The maximum of x[0, n) ignoring NaNs (-inf if none), and whether it holds a NaN. */
 static float max_of(const float *x, int64_t n, int *has_nan) {
@@ -83,8 +77,8 @@ static int64_t first_of(const float *x, int64_t n, float target, int nan) {
     return n;
 }
 
-static piece_max piece_of(const float *x, int64_t lo, int64_t hi) {
-    piece_max p;
+static argmax_pick piece_of(const float *x, int64_t lo, int64_t hi) {
+    argmax_pick p;
     p.max = max_of(x + lo, hi - lo, &p.nan);
     p.at = lo + first_of(x + lo, hi - lo, p.max, p.nan);
     return p;
@@ -102,7 +96,7 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t stride, in
     int64_t per_row = parallel && rows < threads ? (threads + rows - 1) / rows : 1;
     if (per_row > ARGMAX_MAX_PIECES) per_row = ARGMAX_MAX_PIECES;
     if (per_row > n) per_row = n > 0 ? n : 1;
-    piece_max pieces[ARGMAX_MAX_PIECES];
+    argmax_pick pieces[ARGMAX_MAX_PIECES];
     if (per_row == 1) {
         _Pragma("omp parallel for schedule(static) if (parallel)")
         for (int64_t r = 0; r < rows; r++) out[r] = piece_of(x + r * stride, 0, n).at;
@@ -113,9 +107,8 @@ void argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t stride, in
         const float *xr = x + r * stride;
         _Pragma("omp parallel for schedule(static)")
         for (int64_t k = 0; k < per_row; k++) pieces[k] = piece_of(xr, n * k / per_row, n * (k + 1) / per_row);
-        piece_max best = pieces[0];
-        for (int64_t k = 1; k < per_row && !best.nan; k++) /* in order: an earlier piece wins a tie */
-            if (pieces[k].nan || pieces[k].max > best.max) best = pieces[k];
+        argmax_pick best = ARGMAX_NONE;
+        for (int64_t k = 0; k < per_row; k++) argmax_fold(&best, pieces[k]); /* in order: a tie keeps the earlier */
         out[r] = best.at;
     }
 }

@@ -389,7 +389,7 @@ static inline void prefetch_slice(const char *at, int64_t bytes, int i, int n) {
 }
 
 /* s[r][t * PF_KT ..] = q_r . k over the block's nt tiles, unscaled (row stride PF_BS floats); pf:
- * bytes to prefetch meanwhile (the next block's keys). */
+ * pf_bytes to prefetch meanwhile (NULL: none; attend_rows passes the block's values). */
 static void block_scores_amx(const uint32_t *restrict qb, const uint32_t *restrict kp, int nt, int rows, int d,
                              float *restrict s, const char *pf, int64_t pf_bytes) {
     const int steps = rows / 16 * nt;
@@ -412,7 +412,8 @@ static void block_scores_amx(const uint32_t *restrict qb, const uint32_t *restri
 }
 
 /* o[r] = alpha[r] * o[r] + p[r] V over the block's nt value tiles: the products accumulate in tiles
- * over the block, are stored to pv once and folded into the outputs by the vector unit. */
+ * over the block, are stored to pv once and folded into the outputs by the vector unit; pf as in
+ * block_scores_amx (attend_rows passes the next block's keys). */
 static void block_pv_amx(const uint32_t *restrict p, const uint32_t *restrict vp, int nt, const float *restrict alpha,
                          int rows, int d, float *restrict o, float *restrict pv, const char *pf, int64_t pf_bytes) {
     const int steps = rows / 16 * (d / 32);

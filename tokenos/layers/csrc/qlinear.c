@@ -29,7 +29,6 @@
  * Built where the compiler targets AVX2 + FMA + F16C (fp32) and AVX512-BF16 (bf16);
  * qlinear_available() says which.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -49,6 +48,7 @@
 #define QL_BF16 0
 #endif
 #include "amx.h"
+#include "argmax.h"
 #if QL_BF16 && AMX_AVAILABLE
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -86,20 +86,12 @@ static inline const uint8_t *cell_at(const uint8_t *cells, int64_t p, int bits) 
  * plain read reaches 29; 8 KiB ahead: 23 GB/s; 256 B to 4 KiB ahead changed little). */
 #define STREAM_AHEAD 8192
 
-/* A row's greedy pick so far over the columns one thread has seen: the largest value and its first
- * column (i < 0: none seen yet), or the first NaN's column (nan < 0: none), NaN ranking above all as in
- * torch's argmax. */
-typedef struct {
-    float v;
-    int64_t i, nan;
-} row_best;
-
 typedef struct {
     const uint8_t *q;
     const uint16_t *s, *z;
     int bits, group;
     int64_t K, N;
-    row_best *best; /* NULL: outputs are stored; else [threads][M] picks and nothing stored */
+    argmax_pick *best; /* NULL: outputs are stored; else each thread's picks [threads][M], nothing stored */
     int64_t M;
 } qweight;
 
@@ -170,27 +162,25 @@ static void pick_rows(const qweight *w, const float *acc, int64_t m0, int64_t ro
 #ifdef _OPENMP
     me = omp_get_thread_num();
 #endif
-    row_best *b = w->best + (int64_t)me * w->M + m0;
+    argmax_pick *b = w->best + (int64_t)me * w->M + m0;
     const __mmask16 m_lo = (__mmask16)(width >= 16 ? 0xFFFF : (1u << width) - 1);
     const __mmask16 m_hi = (__mmask16)(width >= 32 ? 0xFFFF : width > 16 ? (1u << (width - 16)) - 1 : 0);
     const __m512 ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < rows; i++) {
-        if (b[i].nan >= 0) continue; /* a NaN in an earlier column outranks everything after it */
+        if (b[i].nan) continue; /* a NaN in an earlier column outranks everything after it */
         const float *a = acc + i * 32;
         const __m512 lo = _mm512_mask_loadu_ps(ninf, m_lo, a), hi = _mm512_mask_loadu_ps(ninf, m_hi, a + 16);
         const uint32_t nan = (uint32_t)_mm512_cmp_ps_mask(lo, lo, _CMP_UNORD_Q)
                              | (uint32_t)_mm512_cmp_ps_mask(hi, hi, _CMP_UNORD_Q) << 16;
-        if (nan) {
-            b[i].nan = n0 + __builtin_ctz(nan);
-            continue;
+        argmax_pick tile = {0.f, n0 + (nan ? __builtin_ctz(nan) : 0), nan != 0};
+        if (!nan) {
+            tile.max = _mm512_reduce_max_ps(_mm512_max_ps(lo, hi));
+            if (b[i].at >= 0 && !(tile.max > b[i].max)) continue; /* the fold would keep b[i] */
+            const __m512 t = _mm512_set1_ps(tile.max);
+            tile.at = n0 + __builtin_ctz((uint32_t)_mm512_cmp_ps_mask(lo, t, _CMP_EQ_OQ)
+                                         | (uint32_t)_mm512_cmp_ps_mask(hi, t, _CMP_EQ_OQ) << 16);
         }
-        const float top = _mm512_reduce_max_ps(_mm512_max_ps(lo, hi));
-        if (b[i].i >= 0 && !(top > b[i].v)) continue; /* ties keep the earlier column */
-        const __m512 t = _mm512_set1_ps(top);
-        const uint32_t eq = (uint32_t)_mm512_cmp_ps_mask(lo, t, _CMP_EQ_OQ)
-                            | (uint32_t)_mm512_cmp_ps_mask(hi, t, _CMP_EQ_OQ) << 16;
-        b[i].v = top;
-        b[i].i = n0 + __builtin_ctz(eq);
+        argmax_fold(&b[i], tile);
     }
 }
 
@@ -681,21 +671,14 @@ void qgemm_bf16_argmax_desc(const qdesc *d, const uint16_t *x, int64_t M, int64_
 #ifdef _OPENMP
     threads = omp_get_max_threads();
 #endif
-    row_best *best = malloc(sizeof(row_best) * (size_t)(threads * M));
-    for (int64_t i = 0; i < threads * M; i++) best[i] = (row_best){-INFINITY, -1, -1};
+    argmax_pick *best = malloc(sizeof(argmax_pick) * (size_t)(threads * M));
+    for (int64_t i = 0; i < threads * M; i++) best[i] = ARGMAX_NONE;
     const qweight w = {d->q, d->s, d->z, d->bits, d->group, d->K, d->N, best, M};
     qgemm_bf16_w(&w, x, M, xs, NULL, 0, 1);
     for (int64_t m = 0; m < M; m++) {
-        int64_t pick = -1;
-        for (int t = 0; t < threads && pick < 0; t++) /* the first NaN, whatever else the row holds */
-            pick = best[(int64_t)t * M + m].nan;
-        float top = -INFINITY;
-        if (pick < 0)
-            for (int t = 0; t < threads; t++) {
-                const row_best *b = best + (int64_t)t * M + m;
-                if (b->i >= 0 && (pick < 0 || b->v > top)) pick = b->i, top = b->v;
-            }
-        ids[m] = pick;
+        argmax_pick row = ARGMAX_NONE;
+        for (int t = 0; t < threads; t++) argmax_fold(&row, best[(int64_t)t * M + m]);
+        ids[m] = row.at;
     }
     free(best);
 }
