@@ -13,6 +13,17 @@ def _args(*argv: str) -> argparse.Namespace:
     kernels.add_args(parser)
     tiny = ["--batches", "2", "--contexts", "40", "--rows", "1", "3", "--hidden", "64"]
     tiny += ["--intermediate", "96", "--vocab", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
+    tiny += [
+        "--cascade-groups",
+        "2",
+        "--cascade-members",
+        "3",
+        "--cascade-prefix",
+        "64",
+        "--cascade-own",
+        "1",
+        "20",
+    ]
     return parser.parse_args(tiny + list(argv))
 
 
@@ -37,6 +48,8 @@ def test_every_section_reports_a_positive_rate(monkeypatch):
     assert {"copy", "gemm_2048"} <= names
     assert any(name.startswith("decode") for name in names), names
     assert any(name.startswith("prefill") for name in names), names
+    cascade = [(row["own"], row["resident"]) for row in rows if row["kernel"] == "cascade_decode"]
+    assert sorted(cascade) == [(1, False), (1, True), (20, False), (20, True)]
     # Two row counts x five shapes x dense / int8 / int4 weights.
     assert sum(row["kernel"].startswith("linear") for row in rows) == 2 * 5 * 3, names
     assert {row["weights"] for row in rows if "weights" in row} == {"dense", "int8", "int4"}
@@ -50,3 +63,27 @@ def test_every_section_reports_a_positive_rate(monkeypatch):
 def test_max_kv_gib_skips_shapes_too_large():
     rows = kernels.run(_args("--sections", "decode", "--max-kv-gib", "0", "--dtype", "float32"))
     assert rows == []
+
+
+def test_cascade_tables_share_each_groups_prefix_pages_only():
+    tables = kernels.cascade_tables(groups=2, members=3, prefix=40, own=20, block=16)
+    assert len(tables) == 6 and all(len(t) == 3 + 2 for t in tables)
+    prefixes = [tuple(t[:3]) for t in tables]
+    assert prefixes[:3] == [prefixes[0]] * 3 and prefixes[3:] == [prefixes[3]] * 3
+    assert not set(prefixes[0]) & set(prefixes[3])
+    owns = [page for t in tables for page in t[3:]]
+    assert len(owns) == len(set(owns)) and not set(owns) & set(prefixes[0] + prefixes[3])
+    assert 0 not in {page for t in tables for page in t}  # page 0 is the null block
+
+
+def test_cascade_decode_counts_each_prefix_once(monkeypatch):
+    monkeypatch.setattr(kernels, "timed", lambda fn, **_: (fn(), 1e-3)[1])
+    args = _args("--sections", "cascade")
+    rows = kernels.run(args)
+    assert len(rows) == 4
+    row_bytes = 2 * 2 * 16 * (2 if rows[0]["dtype"] == "bfloat16" else 4)  # K and V, 2 KV heads of 16
+    for row in rows:
+        kv_bytes = (2 * 64 + 2 * 3 * row["own"]) * row_bytes
+        # a streamed call walks as many layers' caches as overflow the LLC; timed() covers them all
+        layers = 1 if row["resident"] else min(kernels.MAX_COPIES, -(-kernels.LLC_BYTES // kv_bytes))
+        assert row["GB_s"] == round(kv_bytes * layers / 1e-3 / 1e9, 2), row

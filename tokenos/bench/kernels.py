@@ -6,6 +6,8 @@ default (9 query heads, 3 KV heads of 64, hidden 576, MLP 1536, vocab 49152; ove
 
 - decode attention over the paged cache at batch x context, achieved GB/s of K/V read and % of copy
   bandwidth;
+- cascade decode attention (groups of requests sharing a cached prefix, as prefix-64's decode steps),
+  with its data resident in cache (the kernel's arithmetic alone) and streamed from memory;
 - prefill attention on chunks with and without a cached prefix, GFLOP/s and % of GEMM peak;
 - each linear at M rows, dense (oneDNN-packed) and weight-only int8 / int4: GB/s of the weights as
   held, GFLOP/s (% of the limits);
@@ -81,6 +83,68 @@ def decode_attention(batch: int, context: int, args: argparse.Namespace, dtype: 
     kv_bytes = batch * context * 2 * args.kv_heads * args.head_dim * kv_dtype.itemsize
     return {"kernel": "decode_attention", "batch": batch, "context": context, "kv": str(kv_dtype)[6:],
             "us": seconds * 1e6, "GB_s": kv_bytes / seconds / 1e9}  # fmt: skip
+
+
+def cascade_tables(groups: int, members: int, prefix: int, own: int, block: int) -> list[list[int]]:
+    """Block tables of ``groups`` x ``members`` requests: each group's members share ``prefix`` tokens'
+    pages (from page 1), and each request has pages of its own for ``own`` more tokens after them."""
+    shared, mine = -(-prefix // block), -(-own // block)
+    tables, next_page = [], 1 + groups * shared
+    for g in range(groups):
+        prefix_pages = list(range(1 + g * shared, 1 + (g + 1) * shared))
+        for _ in range(members):
+            tables.append(prefix_pages + list(range(next_page, next_page + mine)))
+            next_page += mine
+    return tables
+
+
+def cascade_decode(own: int, resident: bool, args: argparse.Namespace, dtype: torch.dtype) -> dict:
+    """Decode attention as prefix-64's decode steps have it: groups of requests sharing a cached prefix
+    (--cascade-groups x --cascade-members, --cascade-prefix tokens), each with ``own`` tokens after it,
+    with page epochs as the worker passes them (so a packed prefix is kept between calls), through the
+    C kernel as the fused decode layer calls it (the module path's attend where the kernels are off).
+    GB/s: the distinct K/V bytes (each prefix once, each request's own tokens) per call. resident: one
+    layer's cache, called again and again, so all of it is in cache and the time is the kernel's
+    arithmetic; else as many layers as overflow the last-level cache, called in turn, as a step reads
+    them."""
+    from dataclasses import replace
+
+    from tokenos.layers import cpu_kernels
+    from tokenos.layers.attention import Attention, allocate_kv_cache
+    from tokenos.layers.attention_metadata import build_attention_metadata
+
+    groups, members, prefix = args.cascade_groups, args.cascade_members, args.cascade_prefix
+    block = args.block_size
+    tables = cascade_tables(groups, members, prefix, own, block)
+    pages = 1 + max(max(t) for t in tables)
+    row_bytes = 2 * args.kv_heads * args.head_dim * dtype.itemsize  # K and V of one token
+    kv_bytes = (groups * prefix + groups * members * own) * row_bytes
+    layers = 1 if resident else min(MAX_COPIES, max(1, -(-LLC_BYTES // kv_bytes)))
+    caches = [
+        allocate_kv_cache(pages, block, args.kv_heads, args.head_dim, dtype).normal_() for _ in range(layers)
+    ]
+    batch = groups * members
+    meta = build_attention_metadata(tables, [prefix + own - 1] * batch, [1] * batch, block)
+    meta = replace(meta, page_epochs=torch.arange(pages, dtype=torch.int64))
+    scale = args.head_dim**-0.5
+    q = torch.randn(batch, args.heads, args.head_dim)
+    if cpu_kernels.load() is not None:
+        lens = meta.seq_lens.to(torch.int32)
+        table = meta.block_table
+
+        def call(cache: torch.Tensor) -> object:
+            return cpu_kernels.paged_decode(q, cache, table, lens, scale, None, page_epochs=meta.page_epochs)
+    else:
+        attn = Attention(args.heads, args.kv_heads, args.head_dim, scale)
+        k = torch.randn(batch, args.kv_heads, args.head_dim).to(dtype)
+        qd, v = q.to(dtype), torch.randn_like(k)
+
+        def call(cache: torch.Tensor) -> object:
+            return attn.attend(qd, k, v, cache, meta)
+
+    seconds = timed(lambda: [call(cache) for cache in caches]) / layers
+    return {"kernel": "cascade_decode", "groups": groups, "members": members, "prefix": prefix, "own": own,
+            "resident": resident, "us": seconds * 1e6, "GB_s": kv_bytes / seconds / 1e9}  # fmt: skip
 
 
 def prefill_attention(chunk: int, prefix: int, args: argparse.Namespace, dtype: torch.dtype) -> dict:
@@ -170,6 +234,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--contexts", type=int, nargs="+", default=[128, 512, 2048, 8192])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 2048])
+    parser.add_argument("--cascade-groups", type=int, default=8, help="cascade: groups sharing a prefix")
+    parser.add_argument("--cascade-members", type=int, default=8, help="cascade: requests per group")
+    parser.add_argument("--cascade-prefix", type=int, default=512, help="cascade: shared tokens")
+    parser.add_argument(
+        "--cascade-own", type=int, nargs="+", default=[1, 96], help="cascade: tokens of each request's own"
+    )
     parser.add_argument(
         "--weights",
         nargs="+",
@@ -177,7 +247,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
         help="linears: dense (oneDNN-packed) and/or quantized int8 / int4 (weight-only)",
     )
     parser.add_argument(
-        "--sections", nargs="+", default=["limits", "decode", "prefill", "linear", "elementwise"]
+        "--sections", nargs="+", default=["limits", "decode", "cascade", "prefill", "linear", "elementwise"]
     )
     parser.add_argument("--table", action="store_true", help="a table instead of JSON lines")
     parser.add_argument("--max-kv-gib", type=float, default=4.0, help="skip decode shapes needing more")
@@ -202,6 +272,10 @@ def run(args: argparse.Namespace) -> list[dict]:
                 if kv > args.max_kv_gib * (1 << 30):
                     continue
                 rows.append(decode_attention(batch, context, args, dtype))
+    if "cascade" in args.sections:
+        for own in args.cascade_own:
+            for resident in (True, False):
+                rows.append(cascade_decode(own, resident, args, dtype))
     if "prefill" in args.sections:
         for chunk, prefix in ((512, 0), (512, 1536), (2048, 0), (2048, 2048)):
             rows.append(prefill_attention(chunk, prefix, args, dtype))
