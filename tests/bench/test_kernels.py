@@ -13,17 +13,7 @@ def _args(*argv: str) -> argparse.Namespace:
     kernels.add_args(parser)
     tiny = ["--batches", "2", "--contexts", "40", "--rows", "1", "3", "--hidden", "64"]
     tiny += ["--intermediate", "96", "--vocab", "256", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
-    tiny += [
-        "--cascade-groups",
-        "2",
-        "--cascade-members",
-        "3",
-        "--cascade-prefix",
-        "64",
-        "--cascade-own",
-        "1",
-        "20",
-    ]
+    tiny += "--cascade-groups 2 --cascade-members 3 --cascade-prefix 64 --cascade-own 1 20".split()
     return parser.parse_args(tiny + list(argv))
 
 

@@ -109,7 +109,7 @@ def cascade_decode(own: int, resident: bool, args: argparse.Namespace, dtype: to
     them."""
     from dataclasses import replace
 
-    from tokenos.layers import cpu_kernels
+    from tokenos.layers import attention, cpu_kernels
     from tokenos.layers.attention import Attention, allocate_kv_cache
     from tokenos.layers.attention_metadata import build_attention_metadata
 
@@ -119,7 +119,7 @@ def cascade_decode(own: int, resident: bool, args: argparse.Namespace, dtype: to
     pages = 1 + max(max(t) for t in tables)
     row_bytes = 2 * args.kv_heads * args.head_dim * dtype.itemsize  # K and V of one token
     kv_bytes = (groups * prefix + groups * members * own) * row_bytes
-    layers = 1 if resident else min(MAX_COPIES, max(1, -(-LLC_BYTES // kv_bytes)))
+    layers = 1 if resident else llc_copies(kv_bytes)
     caches = [
         allocate_kv_cache(pages, block, args.kv_heads, args.head_dim, dtype).normal_() for _ in range(layers)
     ]
@@ -128,7 +128,7 @@ def cascade_decode(own: int, resident: bool, args: argparse.Namespace, dtype: to
     meta = replace(meta, page_epochs=torch.arange(pages, dtype=torch.int64))
     scale = args.head_dim**-0.5
     q = torch.randn(batch, args.heads, args.head_dim)
-    if cpu_kernels.load() is not None:
+    if attention._use_c_kernel(caches[0]):  # the module path's own test for the C decode kernel
         lens = meta.seq_lens.to(torch.int32)
         table = meta.block_table
 
@@ -175,7 +175,7 @@ def linear(name: str, m: int, n: int, k: int, dtype: torch.dtype, weights: str =
     from tokenos.layers.linear import Linear
 
     dense_bytes = n * k * dtype.itemsize
-    copies = min(MAX_COPIES, max(1, -(-LLC_BYTES // dense_bytes)))
+    copies = llc_copies(dense_bytes)
     layers = []
     for _ in range(copies):
         layer = Linear(k, n)
@@ -193,6 +193,11 @@ def linear(name: str, m: int, n: int, k: int, dtype: torch.dtype, weights: str =
 # MAX_COPIES layers: the embedded model's smallest linear takes 58).
 LLC_BYTES = 64 << 20
 MAX_COPIES = 64
+
+
+def llc_copies(nbytes: int) -> int:
+    """How many copies of ``nbytes`` a measurement walks so that its reads come from memory."""
+    return min(MAX_COPIES, max(1, -(-LLC_BYTES // nbytes)))
 
 
 def elementwise(tokens: int, args: argparse.Namespace, dtype: torch.dtype) -> list[dict]:
