@@ -31,7 +31,7 @@ from tokenos.sample.logprobs import gather_logprobs
 from tokenos.sample.metadata import SamplingMetadata
 from tokenos.sample.sampler import Sampler
 
-__all__ = ["RejectionSampler", "RejectionSamplerOutput"]
+__all__ = ["RejectionSampler", "RejectionSamplerOutput", "accept_greedy"]
 
 # Per request: None (every draft deterministic), or its draft positions' q, each a [vocab] tensor or None
 # (that draft deterministic); a [k, vocab] tensor does as well.
@@ -67,16 +67,16 @@ class RejectionSampler:
         md = metadata
         processed = self.sampler.processed(logits, md)
         target = ops.greedy_ids(processed) if not md.all_random else None
-        flat = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64).to(dev)  # -1: bonus
         if md.all_greedy:
             assert target is not None
-            num_accepted = _leading_accepts(target == flat, starts, drafts)
-            final = target[_last_rows(starts, num_accepted, dev)]
+            tokens = accept_greedy(target.tolist(), starts, drafts)
+            num_accepted = [len(t) - 1 for t in tokens]
         else:
             probs = self.sampler.compute_probs(processed, md)
+            flat = torch.tensor([t for d in drafts for t in (*d, -1)], dtype=torch.int64).to(dev)  # -1: bonus
             final, num_accepted = self._sample_random(probs, target, md, flat, starts, drafts, draft_probs)
-        final_ids = final.tolist()
-        tokens = [d[:a] + [t] for d, a, t in zip(drafts, num_accepted, final_ids, strict=True)]
+            final_ids = final.tolist()
+            tokens = [d[:a] + [t] for d, a, t in zip(drafts, num_accepted, final_ids, strict=True)]
         logprobs = _emitted_logprobs(logits, md, starts, tokens)
         return RejectionSamplerOutput(token_ids=tokens, logprobs=logprobs, num_accepted=num_accepted)
 
@@ -142,6 +142,19 @@ def _check_layout(
     if draft_probs is not None and len(draft_probs) != len(drafts):
         raise ValueError(f"draft_probs has {len(draft_probs)} entries for {len(drafts)} requests.")
     return starts
+
+
+def accept_greedy(targets: Sequence[int], starts: Sequence[int], drafts: list[list[int]]) -> list[list[int]]:
+    """The greedy rule on each row's target (argmax) id, rows laid out as the module docstring says
+    (request i's first row at starts[i]): a request's drafts while each equals its row's target, then the
+    target of the first row that differs (or of the bonus row)."""
+    out = []
+    for s, d in zip(starts, drafts, strict=True):
+        a = 0
+        while a < len(d) and targets[s + a] == d[a]:
+            a += 1
+        out.append(d[:a] + [targets[s + a]])
+    return out
 
 
 def _leading_accepts(accepted: torch.Tensor, starts: list[int], drafts: list[list[int]]) -> list[int]:

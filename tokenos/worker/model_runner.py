@@ -38,7 +38,7 @@ from tokenos.platform import configure_threads, cpu_summary, dtype_name, native_
 from tokenos.sample import ops
 from tokenos.sample.logits_processor import EngineConfig, LogitsProcessor, build_logits_processors
 from tokenos.sample.metadata import SamplingMetadata
-from tokenos.sample.rejection import RejectionSampler
+from tokenos.sample.rejection import RejectionSampler, accept_greedy
 from tokenos.sample.sampler import Sampler, compute_prompt_logprobs
 from tokenos.worker.draft_model import DraftModel, drafter_specs
 from tokenos.worker.input_batch import InputBatch
@@ -479,7 +479,7 @@ class ModelRunner:
         firsts = np.cumsum(width) - width  # each request's first logits row
         targets = None if grammar_masks else self._greedy_targets(rows, n)
         if targets is not None:
-            tokens, logprobs, failed = _accept_greedy(targets, firsts, drafts), [None] * n, {}
+            tokens, logprobs, failed = accept_greedy(targets, firsts.tolist(), drafts), [None] * n, {}
         else:
             logits = self.model.compute_logits(rows)
             if grammar_masks:
@@ -678,18 +678,6 @@ def _argmax_only(metadata: SamplingMetadata) -> bool:
     """Whether the sampler would take each row's argmax of the logits as they are: every row greedy, no
     logprobs, no stage that edits a logit."""
     return metadata.all_greedy and not metadata.edits_logits and metadata.max_num_logprobs is None
-
-
-def _accept_greedy(targets: list[int], firsts: np.ndarray, drafts: list[list[int]]) -> list[list[int]]:
-    """Each request's drafts while they equal the target argmax, then the argmax where the first one
-    does not (or the bonus row's): `RejectionSampler`'s greedy rule."""
-    out = []
-    for first, d in zip(firsts.tolist(), drafts, strict=True):
-        a = 0
-        while a < len(d) and targets[first + a] == d[a]:
-            a += 1
-        out.append(d[:a] + [targets[first + a]])
-    return out
 
 
 def _row_generators(sampling, rows: Iterable[int]) -> dict[int, torch.Generator]:
