@@ -539,29 +539,68 @@ static inline void int_rows(const qweight *w, const uint8_t *cells, int64_t p, _
     for (int j = 0; j < 16; j += 2) pair_ints(cells, p + j, w->bits, dst + j, dst + j + 1);
 }
 
-/* Group g's tile sums (c, M x 32, row stride 32) scaled into acc. */
-static inline void scale_group(const qweight *w, int64_t t, int64_t g, int64_t groups, float offset, const float *c,
-                               const float *xsum, int64_t M, float *acc) {
-    for (int h = 0; h < 2; h++) {
-        __m512 sc, zc;
-        group_scale(w, 2 * t + h, g, offset, &sc, &zc);
-        for (int64_t i = 0; i < M; i++) {
-            __m512 a = _mm512_load_ps(acc + i * 32 + h * 16);
-            a = _mm512_fmadd_ps(sc, _mm512_load_ps(c + i * 32 + h * 16), a);
-            a = _mm512_fmadd_ps(zc, _mm512_set1_ps(xsum[i * groups + g]), a);
-            _mm512_store_ps(acc + i * 32 + h * 16, a);
+/* One 32-column tile t of qgemv_amx for a constant M (each M its own copy, by always_inline through
+ * the switch below), so the M x 32 fp32 accumulators stay in registers: a group's tile sums (c, row
+ * stride 32) go into them as memory operands of the multiply-adds, with no load or store of an
+ * accumulator per group. Software-pipelined: the integer cells of chunk k + 1 are widened into the
+ * other B buffer before chunk k's tiles load, and a group's tile sums are stored one group before the
+ * vector unit scales them, so no tile load waits on the vector stores just made, and no vector load
+ * on a tile store. */
+static inline __attribute__((always_inline)) void few_tile(const int M, const qweight *w, const uint16_t *x,
+                                                           int64_t xs, int64_t t, const float *xsum, float offset,
+                                                           __m512i b[2][2][16], float c[2][AMX_FEW_MAX * 32],
+                                                           void *out, int64_t os, int out_f32) {
+    const int64_t K = w->K, groups = K / w->group, nblocks = (w->N + 15) / 16;
+    const int64_t cb = cell_bytes(w->bits), chunks = K / 32, per_group = w->group / 32;
+    const int two = 2 * t + 1 < nblocks;
+    const uint8_t *c0 = w->q + 2 * t * (K / 2) * cb, *c1 = two ? c0 + (K / 2) * cb : c0;
+    __m512 acc[AMX_FEW_MAX][2];
+    for (int i = 0; i < M; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+    int_rows(w, c0, 0, b[0][0]);
+    int_rows(w, c1, 0, b[0][1]);
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t k = 0; k < chunks; k++) {
+        if (k + 1 < chunks) {
+            int_rows(w, c0, 16 * (k + 1), b[(k + 1) & 1][0]);
+            int_rows(w, c1, 16 * (k + 1), b[(k + 1) & 1][1]);
         }
+        _tile_loadd(4, x + 32 * k, xs * 2);
+        _tile_loadd(6, b[k & 1][0], 64);
+        _tile_loadd(7, b[k & 1][1], 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        const int last = k + 1 == chunks;
+        if ((k + 1) % per_group && !last) continue;
+        const int64_t g = k / per_group;
+        _tile_stored(0, c[g & 1], 128);
+        _tile_stored(1, c[g & 1] + 16, 128);
+        _tile_zero(0);
+        _tile_zero(1);
+        /* group g - 1 now, and at the end group g too */
+        for (int64_t gg = g > 0 ? g - 1 : g; gg <= (last ? g : g - 1); gg++)
+            for (int h = 0; h < 2; h++) {
+                __m512 sc, zc;
+                group_scale(w, 2 * t + h, gg, offset, &sc, &zc);
+                const float *cg = c[gg & 1] + h * 16;
+                for (int i = 0; i < M; i++) {
+                    acc[i][h] = _mm512_fmadd_ps(sc, _mm512_load_ps(cg + i * 32), acc[i][h]);
+                    acc[i][h] = _mm512_fmadd_ps(zc, _mm512_set1_ps(xsum[i * groups + gg]), acc[i][h]);
+                }
+            }
     }
+    float rows[AMX_FEW_MAX * 32] __attribute__((aligned(64)));
+    for (int i = 0; i < M; i++) {
+        _mm512_store_ps(rows + i * 32, acc[i][0]);
+        _mm512_store_ps(rows + i * 32 + 16, acc[i][1]);
+    }
+    store_rows(w, rows, 0, M, 32 * t, w->N, out, os, out_f32);
 }
 
-/* Software-pipelined: the integer cells of chunk k + 1 are widened into the other B buffer before
- * chunk k's tiles load, and a group's tile sums are stored one group before the vector unit scales
- * them, so no tile load waits on the vector stores just made, and no vector load on a tile store. */
 static void qgemv_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs, void *out, int64_t os,
                       int out_f32) {
-    int64_t K = w->K, groups = K / w->group, ntiles = (w->N + 31) / 32, nblocks = (w->N + 15) / 16;
-    int64_t cb = cell_bytes(w->bits), gp = w->group / 2, chunks = K / 32, per_group = gp / 16;
-    float offset = w->bits == 4 ? 128.0f : 0.0f;
+    const int64_t groups = w->K / w->group, ntiles = (w->N + 31) / 32;
+    const float offset = w->bits == 4 ? 128.0f : 0.0f;
     float xsum[AMX_FEW_MAX * groups];
     group_sums(w, x, M, xs, xsum);
     _Pragma("omp parallel") {
@@ -569,36 +608,15 @@ static void qgemv_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs
         thread_span(ntiles, &t0, &t1);
         __m512i b[2][2][16] __attribute__((aligned(64)));
         float c[2][AMX_FEW_MAX * 32] __attribute__((aligned(64)));
-        float acc[AMX_FEW_MAX * 32] __attribute__((aligned(64)));
         if (t0 < t1) amx_configure_rows((int)M);
         for (int64_t t = t0; t < t1; t++) {
-            int two = 2 * t + 1 < nblocks;
-            const uint8_t *c0 = w->q + 2 * t * (K / 2) * cb, *c1 = two ? c0 + (K / 2) * cb : c0;
-            memset(acc, 0, sizeof(float) * 32 * M);
-            int_rows(w, c0, 0, b[0][0]);
-            int_rows(w, c1, 0, b[0][1]);
-            _tile_zero(0);
-            _tile_zero(1);
-            for (int64_t k = 0; k < chunks; k++) {
-                if (k + 1 < chunks) {
-                    int_rows(w, c0, 16 * (k + 1), b[(k + 1) & 1][0]);
-                    int_rows(w, c1, 16 * (k + 1), b[(k + 1) & 1][1]);
-                }
-                _tile_loadd(4, x + 32 * k, xs * 2);
-                _tile_loadd(6, b[k & 1][0], 64);
-                _tile_loadd(7, b[k & 1][1], 64);
-                _tile_dpbf16ps(0, 4, 6);
-                _tile_dpbf16ps(1, 4, 7);
-                if ((k + 1) % per_group) continue;
-                const int64_t g = k / per_group;
-                _tile_stored(0, c[g & 1], 128);
-                _tile_stored(1, c[g & 1] + 16, 128);
-                _tile_zero(0);
-                _tile_zero(1);
-                if (g > 0) scale_group(w, t, g - 1, groups, offset, c[(g - 1) & 1], xsum, M, acc);
+#define FEW_CASE(R) case R: few_tile(R, w, x, xs, t, xsum, offset, b, c, out, os, out_f32); break;
+            switch (M) {
+                FEW_CASE(2) FEW_CASE(3) FEW_CASE(4) FEW_CASE(5) FEW_CASE(6) FEW_CASE(7) FEW_CASE(8)
+                FEW_CASE(9) FEW_CASE(10) FEW_CASE(11) FEW_CASE(12) FEW_CASE(13) FEW_CASE(14) FEW_CASE(15)
+                default: few_tile(AMX_FEW_MAX, w, x, xs, t, xsum, offset, b, c, out, os, out_f32); break;
             }
-            scale_group(w, t, groups - 1, groups, offset, c[(groups - 1) & 1], xsum, M, acc);
-            store_rows(w, acc, 0, M, 32 * t, w->N, out, os, out_f32);
+#undef FEW_CASE
         }
         if (t0 < t1) _tile_release();
     }
