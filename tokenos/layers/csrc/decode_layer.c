@@ -33,10 +33,8 @@ void rms_norm_bf16(const bf16 *x, const bf16 *residual, const bf16 *weight, bf16
                    int64_t rows, int hidden, float eps);
 void silu_and_mul_f32(const float *x, float *out, int64_t rows, int d);
 void silu_and_mul_bf16(const bf16 *x, bf16 *out, int64_t rows, int d);
-void rotary_f32(float *q, int64_t q_stride, int q_heads, float *k, int64_t k_stride, int k_heads, int head_dim,
-                int rotary_dim, const float *cos, const float *sin, int64_t tokens);
-void rotary_bf16(bf16 *q, int64_t q_stride, int q_heads, bf16 *k, int64_t k_stride, int k_heads, int head_dim,
-                 int rotary_dim, const bf16 *cos, const bf16 *sin, int64_t tokens);
+void rotary_f32_token(float *x, int heads, int head_dim, int half, const float *c, const float *s);
+void rotary_bf16_token(bf16 *x, int heads, int head_dim, int half, const bf16 *c, const bf16 *s);
 #define DECLARE_DECODE(NAME, T)                                                                    \
     void NAME(const float *q, const T *cache, int64_t page_stride, int block_size, const int32_t *block_table, \
               int max_blocks, const int32_t *seq_lens, int num_reqs, int num_heads, int num_kv_heads,    \
@@ -102,6 +100,17 @@ static inline float ld_bf16(const bf16 *p) { return bf16_to_f32(*p); }
 static inline void st_f32(float *p, float f) { *p = f; }
 static inline void st_bf16(bf16 *p, float f) { *p = f32_to_bf16(f); }
 
+/* A row of n values as float32 (restrict, so the compiler vectorizes the widening). */
+static void widen_f32(const float *restrict src, float *restrict dst, int64_t n) {
+    memcpy(dst, src, sizeof(float) * (size_t)n);
+}
+static void widen_bf16(const bf16 *restrict src, float *restrict dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+}
+
+/* Tokens from which the per-token pass below is split over the threads. */
+#define TOKENS_PARALLEL_MIN 8
+
 static inline void qgemm_f32_call(const void *w, const float *x, int64_t M, int64_t xs, float *out, int64_t os) {
     qgemm_f32_desc(w, x, M, xs, out, os);
 }
@@ -127,14 +136,19 @@ void decode_layer_##SUFFIX(const layer_desc *L, const step_desc *S, T *x, T *res
         for (int64_t t = 0; t < n; t++)                                                                  \
             for (int64_t j = 0; j < width; j++) st_##SUFFIX(qkv + t * width + j, ld_##SUFFIX(qkv + t * width + j) + ld_##SUFFIX(b + j)); \
     }                                                                                                    \
-    rotary_##SUFFIX(qkv, width, S->heads, qkv + q_width, width, S->kv_heads, (int)hd, S->rotary_dim,     \
-                    (const T *)S->cos, (const T *)S->sin, n);                                            \
+    /* Per token, in one pass: rotary on its q and k, its K and V rows into their page slots, its q      \
+     * widened for the attention kernel. The qkv rows were just written by every thread (each its own    \
+     * columns), so the threads share the rows here too rather than one thread pulling them all in.  */ \
     T *cache = (T *)L->kv_cache;                                                                         \
     int8_t *bytes = (int8_t *)L->kv_cache;                                                               \
-    const int64_t bs = S->block_size;                                                                    \
-    for (int64_t t = 0; t < n; t++) { /* K row at (block, 0, offset), V row at (block, 1, offset) */     \
-        const int64_t off = S->slots[t] % bs;                                                            \
-        const T *k = qkv + t * width + q_width, *v = k + kv_width;                                        \
+    const int64_t bs = S->block_size, half = S->rotary_dim / 2;                                          \
+    _Pragma("omp parallel for schedule(static) if (n >= TOKENS_PARALLEL_MIN)")                           \
+    for (int64_t t = 0; t < n; t++) {                                                                    \
+        T *qt = qkv + t * width, *k = qt + q_width, *v = k + kv_width;                                   \
+        const T *c = (const T *)S->cos + t * half, *sn = (const T *)S->sin + t * half;                   \
+        rotary_##SUFFIX##_token(qt, S->heads, (int)hd, (int)half, c, sn);                                \
+        rotary_##SUFFIX##_token(k, S->kv_heads, (int)hd, (int)half, c, sn);                              \
+        const int64_t off = S->slots[t] % bs; /* K row at (block, 0, offset), V row at (block, 1, offset) */ \
         if (L->kv_kind == KV_MODEL) {                                                                    \
             T *page = cache + (S->slots[t] / bs) * L->page_stride;                                       \
             memcpy(page + off * kv_width, k, sizeof(T) * (size_t)kv_width);                              \
@@ -145,7 +159,7 @@ void decode_layer_##SUFFIX(const layer_desc *L, const step_desc *S, T *x, T *res
             (L->kv_kind == KV_FP8 ? kv_write_fp8_##SUFFIX : kv_write_int8_##SUFFIX)(                     \
                 k, 0, v, 0, 1, (int)kv_width, page, rows, L->k_write, L->v_write);                       \
         }                                                                                                \
-        for (int64_t j = 0; j < q_width; j++) S->qf[t * q_width + j] = ld_##SUFFIX(qkv + t * width + j);   \
+        widen_##SUFFIX(qt, S->qf + t * q_width, q_width);                                                \
     }                                                                                                    \
     if (L->kv_kind == KV_MODEL)                                                                          \
         paged_decode_##SUFFIX(S->qf, cache, L->page_stride, S->block_size, S->block_table, S->max_blocks, \

@@ -24,8 +24,10 @@ static inline float load_bf16(const bf16 *p) { return bf16_to_f32(*p); }
 static inline void store_f32(float *p, float f) { *p = f; }
 static inline void store_bf16(bf16 *p, float f) { *p = f32_to_bf16(f); }
 
-/* Parallel only where the work pays for waking the threads. */
+/* Parallel only where the work pays for waking the threads (about a microsecond): rotary's elements are
+ * rotated pairs, each several times the work of a norm's or silu's element. */
 #define PARALLEL_MIN_ELEMENTS (1 << 16)
+#define ROTARY_PARALLEL_MIN_PAIRS (1 << 12)
 
 /* out = norm(h) with h = x (+ residual); residual_out = h. float32: F.rms_norm, weight applied in
  * float32. bf16: h rounded (the add), normalized in float32, rounded, times the weight, rounded. */
@@ -74,21 +76,22 @@ void NAME(const T *x, T *out, int64_t rows, int d) {                            
  * head_dim] with a token stride; cos and sin are this step's [tokens, rotary_dim / 2], already in
  * the dtype (gathered once per step for every layer). */
 #define DEFINE_ROTARY(NAME, T, LOAD, STORE, ROUND)                                                \
-static void NAME##_one(T *x, int64_t stride, int heads, int head_dim, int half, const T *cos,      \
-                       const T *sin, int64_t tokens) {                                             \
-    _Pragma("omp parallel for schedule(static) if (tokens * heads * half >= PARALLEL_MIN_ELEMENTS)") \
-    for (int64_t t = 0; t < tokens; t++) {                                                         \
-        const T *c = cos + t * half, *s = sin + t * half;                                          \
-        for (int h = 0; h < heads; h++) {                                                          \
-            T *x1 = x + t * stride + (int64_t)h * head_dim, *x2 = x1 + half;                       \
-            for (int i = 0; i < half; i++) {                                                       \
-                const float ci = LOAD(c + i), si = LOAD(s + i);                                    \
-                const float a = LOAD(x1 + i), b = LOAD(x2 + i);                                    \
-                STORE(x1 + i, ROUND(a * ci) - ROUND(b * si));                                      \
-                STORE(x2 + i, ROUND(b * ci) + ROUND(a * si));                                      \
-            }                                                                                      \
+void NAME##_token(T *x, int heads, int head_dim, int half, const T *c, const T *s) {               \
+    for (int h = 0; h < heads; h++) {                                                              \
+        T *x1 = x + (int64_t)h * head_dim, *x2 = x1 + half;                                        \
+        for (int i = 0; i < half; i++) {                                                           \
+            const float ci = LOAD(c + i), si = LOAD(s + i);                                        \
+            const float a = LOAD(x1 + i), b = LOAD(x2 + i);                                        \
+            STORE(x1 + i, ROUND(a * ci) - ROUND(b * si));                                          \
+            STORE(x2 + i, ROUND(b * ci) + ROUND(a * si));                                          \
         }                                                                                          \
     }                                                                                              \
+}                                                                                                  \
+static void NAME##_one(T *x, int64_t stride, int heads, int head_dim, int half, const T *cos,      \
+                       const T *sin, int64_t tokens) {                                             \
+    _Pragma("omp parallel for schedule(static) if (tokens * heads * half >= ROTARY_PARALLEL_MIN_PAIRS)") \
+    for (int64_t t = 0; t < tokens; t++)                                                           \
+        NAME##_token(x + t * stride, heads, head_dim, half, cos + t * half, sin + t * half);       \
 }                                                                                                  \
 void NAME(T *q, int64_t q_stride, int q_heads, T *k, int64_t k_stride, int k_heads, int head_dim, \
           int rotary_dim, const T *cos, const T *sin, int64_t tokens) {                            \
@@ -188,24 +191,25 @@ void NAME(const T *x, T *out, int64_t rows, int d) {                            
 }
 
 #define DEFINE_ROTARY(NAME, T, LOAD, STORE, ROUND)                                                \
-static void NAME##_one(T *x, int64_t stride, int heads, int head_dim, int half, const T *cos,      \
-                       const T *sin, int64_t tokens) {                                             \
-    _Pragma("omp parallel for schedule(static) if (tokens * heads * half >= PARALLEL_MIN_ELEMENTS)") \
-    for (int64_t t = 0; t < tokens; t++) {                                                         \
-        const T *c = cos + t * half, *s = sin + t * half;                                          \
-        for (int h = 0; h < heads; h++) {                                                          \
-            T *x1 = x + t * stride + (int64_t)h * head_dim, *x2 = x1 + half;                       \
-            for (int i = 0; i < half; i += 16) {                                                   \
-                const __mmask16 m = lanes(half - i);                                               \
-                const __m512 ci = v##LOAD(c + i, m), si = v##LOAD(s + i, m);                       \
-                const __m512 a = v##LOAD(x1 + i, m), b = v##LOAD(x2 + i, m);                       \
-                v##STORE(x1 + i, _mm512_sub_ps(v##ROUND(_mm512_mul_ps(a, ci)),                     \
-                                               v##ROUND(_mm512_mul_ps(b, si))), m);                \
-                v##STORE(x2 + i, _mm512_add_ps(v##ROUND(_mm512_mul_ps(b, ci)),                     \
-                                               v##ROUND(_mm512_mul_ps(a, si))), m);                \
-            }                                                                                      \
+void NAME##_token(T *x, int heads, int head_dim, int half, const T *c, const T *s) {               \
+    for (int h = 0; h < heads; h++) {                                                              \
+        T *x1 = x + (int64_t)h * head_dim, *x2 = x1 + half;                                        \
+        for (int i = 0; i < half; i += 16) {                                                       \
+            const __mmask16 m = lanes(half - i);                                                   \
+            const __m512 ci = v##LOAD(c + i, m), si = v##LOAD(s + i, m);                           \
+            const __m512 a = v##LOAD(x1 + i, m), b = v##LOAD(x2 + i, m);                           \
+            v##STORE(x1 + i, _mm512_sub_ps(v##ROUND(_mm512_mul_ps(a, ci)),                         \
+                                           v##ROUND(_mm512_mul_ps(b, si))), m);                    \
+            v##STORE(x2 + i, _mm512_add_ps(v##ROUND(_mm512_mul_ps(b, ci)),                         \
+                                           v##ROUND(_mm512_mul_ps(a, si))), m);                    \
         }                                                                                          \
     }                                                                                              \
+}                                                                                                  \
+static void NAME##_one(T *x, int64_t stride, int heads, int head_dim, int half, const T *cos,      \
+                       const T *sin, int64_t tokens) {                                             \
+    _Pragma("omp parallel for schedule(static) if (tokens * heads * half >= ROTARY_PARALLEL_MIN_PAIRS)") \
+    for (int64_t t = 0; t < tokens; t++)                                                           \
+        NAME##_token(x + t * stride, heads, head_dim, half, cos + t * half, sin + t * half);       \
 }                                                                                                  \
 void NAME(T *q, int64_t q_stride, int q_heads, T *k, int64_t k_stride, int k_heads, int head_dim, \
           int rotary_dim, const T *cos, const T *sin, int64_t tokens) {                            \
