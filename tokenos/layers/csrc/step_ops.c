@@ -27,6 +27,7 @@ static inline void store_bf16(bf16 *p, float f) { *p = f32_to_bf16(f); }
 /* Parallel only where the work pays for waking the threads (about a microsecond): rotary's elements are
  * rotated pairs, each several times the work of a norm's or silu's element. */
 #define PARALLEL_MIN_ELEMENTS (1 << 16)
+#define NORM_PARALLEL_MIN_ELEMENTS (1 << 13)
 #define ROTARY_PARALLEL_MIN_PAIRS (1 << 12)
 
 /* out = norm(h) with h = x (+ residual); residual_out = h. float32: F.rms_norm, weight applied in
@@ -34,7 +35,7 @@ static inline void store_bf16(bf16 *p, float f) { *p = f32_to_bf16(f); }
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                              \
 void NAME(const T *x, const T *residual, const T *weight, T *out, T *residual_out, int64_t rows,  \
           int hidden, float eps) {                                                                 \
-    _Pragma("omp parallel for schedule(static) if (rows * hidden >= PARALLEL_MIN_ELEMENTS)")      \
+    _Pragma("omp parallel for schedule(static) if (rows * hidden >= NORM_PARALLEL_MIN_ELEMENTS)")      \
     for (int64_t r = 0; r < rows; r++) {                                                           \
         const T *xr = x + r * hidden;                                                              \
         float h[hidden];                                                                           \
@@ -151,7 +152,7 @@ static inline __m512 vround_bf16(__m512 v) { return widen16(narrow16(v)); }
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                              \
 void NAME(const T *x, const T *residual, const T *weight, T *out, T *residual_out, int64_t rows,  \
           int hidden, float eps) {                                                                 \
-    _Pragma("omp parallel for schedule(static) if (rows * hidden >= PARALLEL_MIN_ELEMENTS)")      \
+    _Pragma("omp parallel for schedule(static) if (rows * hidden >= NORM_PARALLEL_MIN_ELEMENTS)")      \
     for (int64_t r = 0; r < rows; r++) {                                                           \
         const T *xr = x + r * hidden;                                                              \
         float h[hidden + 16];                                                                      \
