@@ -772,7 +772,7 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
 #define CASCADE_BF16 1
 #else
 #define CASCADE_BF16 0
-#define shared_prefix_pieces(...) abort()
+#define shared_prefix_pieces(groups, member0, tokens, kv_heads, g, d, threads, pieces, per) ((void)(per), abort())
 #define shared_prefix_decode_bf16(...) abort()
 #endif
 int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size); /* prefill_attention.c, every build */
