@@ -24,8 +24,9 @@ static inline float load_bf16(const bf16 *p) { return bf16_to_f32(*p); }
 static inline void store_f32(float *p, float f) { *p = f; }
 static inline void store_bf16(bf16 *p, float f) { *p = f32_to_bf16(f); }
 
-/* Parallel only where the work pays for waking the threads (about a microsecond): rotary's elements are
- * rotated pairs, each several times the work of a norm's or silu's element. */
+/* Parallel only where the work pays for waking the threads (about a microsecond). A norm's rows mostly
+ * come from a GEMM whose column halves sit in the two threads' caches, so it splits from a batch-64
+ * decode's 64 x 576; rotary's elements are rotated pairs, each several times a norm's or silu's element. */
 #define PARALLEL_MIN_ELEMENTS (1 << 16)
 #define NORM_PARALLEL_MIN_ELEMENTS (1 << 13)
 #define ROTARY_PARALLEL_MIN_PAIRS (1 << 12)
@@ -35,7 +36,7 @@ static inline void store_bf16(bf16 *p, float f) { *p = f32_to_bf16(f); }
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                              \
 void NAME(const T *x, const T *residual, const T *weight, T *out, T *residual_out, int64_t rows,  \
           int hidden, float eps) {                                                                 \
-    _Pragma("omp parallel for schedule(static) if (rows * hidden >= NORM_PARALLEL_MIN_ELEMENTS)")      \
+    _Pragma("omp parallel for schedule(static) if (rows * hidden >= NORM_PARALLEL_MIN_ELEMENTS)") \
     for (int64_t r = 0; r < rows; r++) {                                                           \
         const T *xr = x + r * hidden;                                                              \
         float h[hidden];                                                                           \
@@ -72,6 +73,21 @@ void NAME(const T *x, T *out, int64_t rows, int d) {                            
     }                                                                                              \
 }
 
+/* Rotary over every token of q and of k, around the per-token rotation NAME##_token that each definition
+ * of DEFINE_ROTARY below (scalar, AVX-512) writes. */
+#define DEFINE_ROTARY_CALLS(NAME, T)                                                              \
+static void NAME##_one(T *x, int64_t stride, int heads, int head_dim, int half, const T *cos,      \
+                       const T *sin, int64_t tokens) {                                             \
+    _Pragma("omp parallel for schedule(static) if (tokens * heads * half >= ROTARY_PARALLEL_MIN_PAIRS)") \
+    for (int64_t t = 0; t < tokens; t++)                                                           \
+        NAME##_token(x + t * stride, heads, head_dim, half, cos + t * half, sin + t * half);       \
+}                                                                                                  \
+void NAME(T *q, int64_t q_stride, int q_heads, T *k, int64_t k_stride, int k_heads, int head_dim, \
+          int rotary_dim, const T *cos, const T *sin, int64_t tokens) {                            \
+    NAME##_one(q, q_stride, q_heads, head_dim, rotary_dim / 2, cos, sin, tokens);                 \
+    NAME##_one(k, k_stride, k_heads, head_dim, rotary_dim / 2, cos, sin, tokens);                 \
+}
+
 /* In place, NeoX halves: over the first rotary_dim of each head, (x1, x2) -> (x1 c - x2 s,
  * x2 c + x1 s) with every product and sum rounded, as the torch ops do. x is [tokens, heads,
  * head_dim] with a token stride; cos and sin are this step's [tokens, rotary_dim / 2], already in
@@ -88,17 +104,7 @@ void NAME##_token(T *x, int heads, int head_dim, int half, const T *c, const T *
         }                                                                                          \
     }                                                                                              \
 }                                                                                                  \
-static void NAME##_one(T *x, int64_t stride, int heads, int head_dim, int half, const T *cos,      \
-                       const T *sin, int64_t tokens) {                                             \
-    _Pragma("omp parallel for schedule(static) if (tokens * heads * half >= ROTARY_PARALLEL_MIN_PAIRS)") \
-    for (int64_t t = 0; t < tokens; t++)                                                           \
-        NAME##_token(x + t * stride, heads, head_dim, half, cos + t * half, sin + t * half);       \
-}                                                                                                  \
-void NAME(T *q, int64_t q_stride, int q_heads, T *k, int64_t k_stride, int k_heads, int head_dim, \
-          int rotary_dim, const T *cos, const T *sin, int64_t tokens) {                            \
-    NAME##_one(q, q_stride, q_heads, head_dim, rotary_dim / 2, cos, sin, tokens);                 \
-    NAME##_one(k, k_stride, k_heads, head_dim, rotary_dim / 2, cos, sin, tokens);                 \
-}
+DEFINE_ROTARY_CALLS(NAME, T)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 /* The same operations 16 lanes at a time (the scalar code above is what a CPU without AVX-512
@@ -152,7 +158,7 @@ static inline __m512 vround_bf16(__m512 v) { return widen16(narrow16(v)); }
 #define DEFINE_RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                              \
 void NAME(const T *x, const T *residual, const T *weight, T *out, T *residual_out, int64_t rows,  \
           int hidden, float eps) {                                                                 \
-    _Pragma("omp parallel for schedule(static) if (rows * hidden >= NORM_PARALLEL_MIN_ELEMENTS)")      \
+    _Pragma("omp parallel for schedule(static) if (rows * hidden >= NORM_PARALLEL_MIN_ELEMENTS)") \
     for (int64_t r = 0; r < rows; r++) {                                                           \
         const T *xr = x + r * hidden;                                                              \
         float h[hidden + 16];                                                                      \
@@ -206,17 +212,7 @@ void NAME##_token(T *x, int heads, int head_dim, int half, const T *c, const T *
         }                                                                                          \
     }                                                                                              \
 }                                                                                                  \
-static void NAME##_one(T *x, int64_t stride, int heads, int head_dim, int half, const T *cos,      \
-                       const T *sin, int64_t tokens) {                                             \
-    _Pragma("omp parallel for schedule(static) if (tokens * heads * half >= ROTARY_PARALLEL_MIN_PAIRS)") \
-    for (int64_t t = 0; t < tokens; t++)                                                           \
-        NAME##_token(x + t * stride, heads, head_dim, half, cos + t * half, sin + t * half);       \
-}                                                                                                  \
-void NAME(T *q, int64_t q_stride, int q_heads, T *k, int64_t k_stride, int k_heads, int head_dim, \
-          int rotary_dim, const T *cos, const T *sin, int64_t tokens) {                            \
-    NAME##_one(q, q_stride, q_heads, head_dim, rotary_dim / 2, cos, sin, tokens);                 \
-    NAME##_one(k, k_stride, k_heads, head_dim, rotary_dim / 2, cos, sin, tokens);                 \
-}
+DEFINE_ROTARY_CALLS(NAME, T)
 #endif
 
 DEFINE_RMS_NORM(rms_norm_f32, float, load_f32, store_f32, round_f32)
