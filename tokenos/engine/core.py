@@ -96,6 +96,7 @@ class EngineCore:
         self.structured: StructuredOutputManager | None = None
         self._loaded_tokenizer: Any = None
         self._log_pool_layout(args.block_size)
+        self.model_runner.check_batch_invariant()
         logger.info("%s", self.model_runner.describe_kernels())
         self.startup_s = time.perf_counter() - t0
         logger.info(

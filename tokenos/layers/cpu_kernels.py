@@ -182,6 +182,10 @@ def load() -> ctypes.CDLL | None:
     lib.kernels_set_amx.argtypes = [_I]
     lib.kernels_set_amx.restype = None
     lib.kernels_set_amx(0 if os.environ.get("TOKENOS_DISABLE_AMX") == "1" else 1)
+    lib.kernels_set_batch_invariant.argtypes = [_I]
+    lib.kernels_set_batch_invariant.restype = None
+    lib.kernels_batch_invariant.argtypes = []
+    lib.kernels_set_batch_invariant(1 if os.environ.get("TOKENOS_BATCH_INVARIANT") == "1" else 0)
     lib.paged_decode_set_cascade.argtypes = [_I]
     lib.paged_decode_set_cascade.restype = None
     lib.paged_decode_cascade_on.argtypes = []
@@ -260,6 +264,22 @@ def set_amx(on: bool) -> None:
         lib.kernels_set_amx(int(on))
 
 
+def batch_invariant() -> bool:
+    """Whether the kernels run batch-invariant (``TOKENOS_BATCH_INVARIANT=1``, or `set_batch_invariant`):
+    a quantized linear's row, and a decode's attention, come out the same bits whatever else shares the
+    call (see csrc/qlinear.c and csrc/paged_attention.c), at some cost in speed; greedy speculative
+    decoding then gives the tokens plain decoding gives."""
+    lib = load()
+    return bool(lib is not None and lib.kernels_batch_invariant())
+
+
+def set_batch_invariant(on: bool) -> None:
+    """Turn batch invariance on or off for this process (see `batch_invariant`)."""
+    lib = load()
+    if lib is not None:
+        lib.kernels_set_batch_invariant(int(on))
+
+
 def set_cascade(on: bool) -> None:
     """Allow or forbid cascade attention for decodes sharing cached pages (csrc/paged_attention.c's
     find_shared) in this process; ``TOKENOS_DISABLE_CASCADE_ATTN=1`` starts with it off."""
@@ -298,7 +318,12 @@ def uses_cascade() -> bool:
     """Whether bf16 decodes sharing cached pages attend them once per group: the library, the prefill
     kernel it borrows (AVX512-BF16), and the switch on."""
     lib = load()
-    return bool(lib is not None and lib.paged_decode_cascade_on() and lib.paged_prefill_available())
+    return bool(
+        lib is not None
+        and lib.paged_decode_cascade_on()
+        and lib.paged_prefill_available()
+        and not lib.kernels_batch_invariant()  # a group's prefix summed apart from each member's tokens
+    )
 
 
 def usable(*tensors: torch.Tensor) -> bool:

@@ -211,7 +211,8 @@ class QuantizedWeight:
         if gemm is None or m == 0 or x2.stride(-1) != 1:
             return self._reference(x2, bias, out_dtype).reshape(*x.shape[:-1], n)
         # Called per layer per step: one allocation and one kernel call of few arguments.
-        if x.dtype == torch.float32 and m >= dense_from_rows():
+        # Batch invariance keeps every row count on the kernel: torch's GEMM picks its own blocking by M.
+        if x.dtype == torch.float32 and m >= dense_from_rows() and not cpu_kernels.batch_invariant():
             out = self._dense_gemm(x2)
             if out_dtype != torch.float32:
                 out = out.to(out_dtype)

@@ -28,6 +28,8 @@ from tokenos.core.spec_decode import SpeculativeConfig
 from tokenos.layers import cpu_kernels
 from tokenos.layers.attention import Attention
 from tokenos.layers.attention_metadata import AttentionMetadata, make_attention_metadata
+from tokenos.layers.embedding import LMHead
+from tokenos.layers.linear import Linear
 from tokenos.layers.metadata import ForwardBatch
 from tokenos.layers.quantization import weight_bytes
 from tokenos.layers.recurrent_batch import RecurrentBatch
@@ -126,7 +128,30 @@ class ModelRunner:
             f"linears: {self._describe_linears()}; "
             f"decode attention: {self._decode_kernel(c_kernel)}; "
             f"prefill attention: {self._prefill_kernel()}"
+            + ("; batch invariant" if cpu_kernels.batch_invariant() else "")
         )
+
+    def check_batch_invariant(self) -> None:
+        """Refuse batch invariance (``TOKENOS_BATCH_INVARIANT=1``) for a model it cannot hold for: every
+        linear and the LM head must run csrc/qlinear.c's kernel (a quantized checkpoint, or
+        ``quantization="int8"/"int4"``), since torch's GEMM for dense weights picks its blocking by row
+        count, and a row's sums would change with the batch."""
+        if not cpu_kernels.batch_invariant():
+            return
+        dense = sorted(
+            {
+                type(m).__name__
+                for m in self.model.modules()
+                if isinstance(m, (Linear, LMHead)) and getattr(m, "quantized", None) is None
+            }
+        )
+        if dense or cpu_kernels.qgemm_kernel(self.model_config.dtype) is None:
+            what = f"dense weights in {', '.join(dense)}" if dense else "no quantized kernel for this CPU"
+            raise ValueError(
+                f"TOKENOS_BATCH_INVARIANT=1 needs every linear on the quantized C kernel, but this model has "
+                f"{what}. Load a quantized checkpoint or pass quantization='int8' (or 'int4'), or unset "
+                "TOKENOS_BATCH_INVARIANT."
+            )
 
     def _describe_linears(self) -> str:
         modules = list(self.model.modules())
@@ -136,7 +161,8 @@ class ModelRunner:
             if any(getattr(m, attr, None) for m in modules)  # a dict of experts: empty until quantized
         ]
         if "quantized" in kinds and self.model_config.dtype == torch.bfloat16 and cpu_kernels.uses_amx():
-            kinds[kinds.index("quantized")] = "quantized (AMX tiles from 2 rows)"
+            rows = "1 row" if cpu_kernels.batch_invariant() else "2 rows"
+            kinds[kinds.index("quantized")] = f"quantized (AMX tiles from {rows})"
         return " + ".join(kinds) or "F.linear"
 
     def _decode_kernel(self, c_kernel: bool) -> str:

@@ -687,7 +687,11 @@ static void normalize(float *restrict o, const float *restrict m, const float *r
 /* How many splits a request of n visible tokens gets: enough items for every thread, but splits
  * of at least MIN_SPLIT tokens (merging costs a little per split). */
 #define MIN_SPLIT 256
+int kernels_batch_invariant(void); /* csrc/qlinear.c */
 static int num_splits(int n, int base_items, int threads) {
+    /* Batch invariance: a request's splits (so the order its sums are merged in) from its own length
+     * alone, never from how many requests share the call. */
+    if (kernels_batch_invariant()) base_items = 1;
     int want = (4 * threads + base_items - 1) / base_items;
     int most = (n + MIN_SPLIT - 1) / MIN_SPLIT;
     if (want > most) want = most;
@@ -801,7 +805,8 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     int *shared = first + num_reqs + 1, *members = shared + num_reqs, *member0 = members + num_reqs; \
     int *slot = member0 + num_reqs + 1, *tokens = slot + num_reqs, *pieces = tokens + num_reqs;   \
     int *parts = pieces + num_reqs, *per = parts + num_reqs;                                      \
-    const int groups = CASCADE && cascade_enabled && whole && window <= 0 && num_reqs > 1         \
+    const int groups = CASCADE && cascade_enabled && !kernels_batch_invariant() && whole && window <= 0 \
+                       && num_reqs > 1                                                            \
                        && paged_prefill_supports(num_heads, num_kv_heads, d)                      \
         ? find_shared(block_table, max_blocks, seq_lens, num_reqs, block_size, shared, members, member0, tokens) \
         : 0;                                                                                      \

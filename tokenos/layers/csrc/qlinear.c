@@ -59,6 +59,17 @@
 
 int qlinear_available(void) { return QL_F32 | (QL_BF16 << 1); }
 
+/* Batch invariance (cpu_kernels.set_batch_invariant, TOKENOS_BATCH_INVARIANT=1): every row count takes
+ * the same arithmetic, so a row's outputs are the same bits whatever rows share its call (a decode
+ * alone, the same token among a speculative verify's, a batch of 64). By default the kernel is picked
+ * by row count (a GEMV, the few-row tiles, a dequantized panel), and rows differ in their last bits
+ * between them. On: with AMX, the few-row path's integer tiles for every row count (one row, and past
+ * 16 rows in slices of 16 over a panel of widened cells); without it, the panel path for every row
+ * count, never the GEMV. */
+static int batch_invariant = 0;
+void kernels_set_batch_invariant(int on) { batch_invariant = on; }
+int kernels_batch_invariant(void) { return batch_invariant; }
+
 /* A packed weight as the Python side describes it once (one pointer per call instead of seven
  * arguments: ctypes converts every argument on every call). */
 typedef struct {
@@ -143,6 +154,7 @@ static inline void int8_planes(const uint8_t *cell, __m512i *lo, __m512i *hi) {
 /* Every row's sum of x over each group: xsum[m * groups + g]. */
 static void group_sums(const qweight *w, const uint16_t *x, int64_t M, int64_t xs, float *xsum) {
     int64_t groups = w->K / w->group;
+    _Pragma("omp parallel for schedule(static) if (M > 64)") /* one row's sums stay in one thread */
     for (int64_t i = 0; i < M; i++)
         for (int64_t g = 0; g < groups; g++) {
             float t = 0;
@@ -549,25 +561,28 @@ static inline void int_rows(const qweight *w, const uint8_t *cells, int64_t p, _
 static inline __attribute__((always_inline)) void few_tile(const int M, const qweight *w, const uint16_t *x,
                                                            int64_t xs, int64_t t, const float *xsum, float offset,
                                                            __m512i b[2][2][16], float c[2][AMX_FEW_MAX * 32],
-                                                           void *out, int64_t os, int out_f32) {
+                                                           const __m512i *panel, int64_t m0, void *out,
+                                                           int64_t os, int out_f32) {
     const int64_t K = w->K, groups = K / w->group, nblocks = (w->N + 15) / 16;
     const int64_t cb = cell_bytes(w->bits), chunks = K / 32, per_group = w->group / 32;
     const int two = 2 * t + 1 < nblocks;
     const uint8_t *c0 = w->q + 2 * t * (K / 2) * cb, *c1 = two ? c0 + (K / 2) * cb : c0;
     __m512 acc[AMX_FEW_MAX][2];
     for (int i = 0; i < M; i++) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-    int_rows(w, c0, 0, b[0][0]);
-    int_rows(w, c1, 0, b[0][1]);
+    if (!panel) {
+        int_rows(w, c0, 0, b[0][0]);
+        int_rows(w, c1, 0, b[0][1]);
+    }
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t k = 0; k < chunks; k++) {
-        if (k + 1 < chunks) {
+        if (!panel && k + 1 < chunks) {
             int_rows(w, c0, 16 * (k + 1), b[(k + 1) & 1][0]);
             int_rows(w, c1, 16 * (k + 1), b[(k + 1) & 1][1]);
         }
         _tile_loadd(4, x + 32 * k, xs * 2);
-        _tile_loadd(6, b[k & 1][0], 64);
-        _tile_loadd(7, b[k & 1][1], 64);
+        _tile_loadd(6, panel ? panel + 32 * k : b[k & 1][0], 64);
+        _tile_loadd(7, panel ? panel + 32 * k + 16 : b[k & 1][1], 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         const int last = k + 1 == chunks;
@@ -594,7 +609,20 @@ static inline __attribute__((always_inline)) void few_tile(const int M, const qw
         _mm512_store_ps(rows + i * 32, acc[i][0]);
         _mm512_store_ps(rows + i * 32 + 16, acc[i][1]);
     }
-    store_rows(w, rows, 0, M, 32 * t, w->N, out, os, out_f32);
+    store_rows(w, rows, m0, M, 32 * t, w->N, out, os, out_f32);
+}
+
+/* few_tile for M rows (1 to AMX_FEW_MAX), each row count its own copy. */
+static void few_rows(int64_t M, const qweight *w, const uint16_t *x, int64_t xs, int64_t t, const float *xsum,
+                     float offset, __m512i b[2][2][16], float c[2][AMX_FEW_MAX * 32], const __m512i *panel,
+                     int64_t m0, void *out, int64_t os, int out_f32) {
+#define FEW_CASE(R) case R: few_tile(R, w, x, xs, t, xsum, offset, b, c, panel, m0, out, os, out_f32); break;
+    switch (M) {
+        FEW_CASE(1) FEW_CASE(2) FEW_CASE(3) FEW_CASE(4) FEW_CASE(5) FEW_CASE(6) FEW_CASE(7) FEW_CASE(8)
+        FEW_CASE(9) FEW_CASE(10) FEW_CASE(11) FEW_CASE(12) FEW_CASE(13) FEW_CASE(14) FEW_CASE(15)
+        default: few_tile(AMX_FEW_MAX, w, x, xs, t, xsum, offset, b, c, panel, m0, out, os, out_f32); break;
+    }
+#undef FEW_CASE
 }
 
 static void qgemv_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs, void *out, int64_t os,
@@ -609,17 +637,55 @@ static void qgemv_amx(const qweight *w, const uint16_t *x, int64_t M, int64_t xs
         __m512i b[2][2][16] __attribute__((aligned(64)));
         float c[2][AMX_FEW_MAX * 32] __attribute__((aligned(64)));
         if (t0 < t1) amx_configure_rows((int)M);
-        for (int64_t t = t0; t < t1; t++) {
-#define FEW_CASE(R) case R: few_tile(R, w, x, xs, t, xsum, offset, b, c, out, os, out_f32); break;
-            switch (M) {
-                FEW_CASE(2) FEW_CASE(3) FEW_CASE(4) FEW_CASE(5) FEW_CASE(6) FEW_CASE(7) FEW_CASE(8)
-                FEW_CASE(9) FEW_CASE(10) FEW_CASE(11) FEW_CASE(12) FEW_CASE(13) FEW_CASE(14) FEW_CASE(15)
-                default: few_tile(AMX_FEW_MAX, w, x, xs, t, xsum, offset, b, c, out, os, out_f32); break;
-            }
-#undef FEW_CASE
-        }
+        for (int64_t t = t0; t < t1; t++) few_rows(M, w, x, xs, t, xsum, offset, b, c, NULL, 0, out, os, out_f32);
         if (t0 < t1) _tile_release();
     }
+}
+
+/* The few-row arithmetic past AMX_FEW_MAX rows (batch invariance): each row's sums are few_tile's, so
+ * the same bits as in a call of one row. A thread's stripes are widened once per group of them into a
+ * panel laid out as few_tile's B buffers (chunk k of a stripe: block 0's 16 B rows, then block 1's),
+ * and every slice of up to 16 rows runs over the group. */
+static void qgemm_amx_few(const qweight *w, const uint16_t *x, int64_t M, int64_t xs, void *out, int64_t os,
+                          int out_f32) {
+    const int64_t K = w->K, groups = K / w->group, ntiles = (w->N + 31) / 32, chunks = K / 32;
+    const int64_t nblocks = (w->N + 15) / 16, cb = cell_bytes(w->bits), esize = out_f32 ? 4 : 2;
+    const int64_t stripe = chunks * 32 * 64; /* bytes: 32 B rows of 64 bytes per chunk */
+    const int64_t group = AMX_PANEL_BYTES / stripe < 1 ? 1 : AMX_PANEL_BYTES / stripe;
+    const float offset = w->bits == 4 ? 128.0f : 0.0f;
+    float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
+    group_sums(w, x, M, xs, xsum);
+    _Pragma("omp parallel") {
+        int64_t t0, t1;
+        thread_span(ntiles, &t0, &t1);
+        const int64_t most = t1 - t0 < group ? t1 - t0 : group;
+        __m512i *panel = most > 0 ? panel_buffer(most * stripe) : NULL;
+        __m512i b[2][2][16] __attribute__((aligned(64)));
+        float c[2][AMX_FEW_MAX * 32] __attribute__((aligned(64)));
+        for (int64_t g0 = t0; g0 < t1; g0 += group) {
+            const int64_t g1 = g0 + group < t1 ? g0 + group : t1;
+            for (int64_t t = g0; t < g1; t++) {
+                const uint8_t *c0 = w->q + 2 * t * (K / 2) * cb;
+                const uint8_t *c1 = 2 * t + 1 < nblocks ? c0 + (K / 2) * cb : c0;
+                __m512i *p = panel + (t - g0) * chunks * 32;
+                for (int64_t k = 0; k < chunks; k++) {
+                    int_rows(w, c0, 16 * k, p + 32 * k);
+                    int_rows(w, c1, 16 * k, p + 32 * k + 16);
+                }
+            }
+            int configured = 0;
+            for (int64_t m0 = 0; m0 < M; m0 += AMX_FEW_MAX) {
+                const int64_t rows = M - m0 < AMX_FEW_MAX ? M - m0 : AMX_FEW_MAX;
+                if (rows != configured) amx_configure_rows((int)rows), configured = (int)rows;
+                void *o = out ? (char *)out + m0 * os * esize : NULL;
+                for (int64_t t = g0; t < g1; t++)
+                    few_rows(rows, w, x + m0 * xs, xs, t, xsum + m0 * groups, offset, b, c,
+                             panel + (t - g0) * chunks * 32, m0, o, os, out_f32);
+            }
+        }
+        if (most > 0) _tile_release();
+    }
+    free(xsum);
 }
 #endif
 
@@ -628,17 +694,22 @@ static void qgemm_bf16_w(const qweight *wp, const uint16_t *x, int64_t M, int64_
     const qweight w = *wp;
     const int64_t N = w.N, K = w.K;
 #if QL_AMX
-    if (M >= AMX_FEW_MIN && M <= AMX_FEW_MAX && w.group % 32 == 0 && kernels_amx_ready()) {
+    const int few = w.group % 32 == 0 && kernels_amx_ready();
+    if (few && M <= AMX_FEW_MAX && (M >= AMX_FEW_MIN || batch_invariant)) {
         qgemv_amx(&w, x, M, xs, out, os, out_f32);
         return;
     }
+    if (few && batch_invariant) {
+        qgemm_amx_few(&w, x, M, xs, out, os, out_f32);
+        return;
+    }
 #endif
-    if (M <= MV) {
+    if (M <= MV && !batch_invariant) {
         qgemv_bf16(&w, x, M, xs, out, os, out_f32);
         return;
     }
 #if QL_AMX
-    if (K % 32 == 0 && kernels_amx_ready()) {
+    if (K % 32 == 0 && kernels_amx_ready()) { /* every row on its own: the same bits for any M */
         qgemm_amx(&w, x, M, xs, out, os, out_f32);
         return;
     }
@@ -900,7 +971,7 @@ static void qgemv_f32(const qweight32 *w, const float *x, int64_t M, int64_t xs,
 void qgemm_f32(const float *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s, const uint16_t *z,
                int bits, int group, int64_t N, int64_t K, float *out, int64_t os) {
     qweight32 w = {q, s, z, bits, group, K, N};
-    if (M <= MV32) {
+    if (M <= MV32 && !batch_invariant) {
         qgemv_f32(&w, x, M, xs, out, os);
         return;
     }

@@ -1,0 +1,82 @@
+"""Batch invariance end to end (``TOKENOS_BATCH_INVARIANT=1``): greedy speculative decoding gives plain
+decoding's tokens on a quantized model in the CPU's own dtype (bf16 where native), at any batch size,
+where by default a near-tie can go the other way once a token is computed among a verify's rows instead
+of alone; and a model the mode cannot hold for is refused at start-up, never run without it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+
+from tests.fixtures.llm import DENSE, make_llm
+from tests.fixtures.tokenizers import HAS_SMOLLM2, NO_SMOLLM2
+from tokenos import SamplingParams
+from tokenos.layers import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C kernels (no compiler)")
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+
+PASSAGES = [
+    "The old lighthouse keeper climbed the spiral stairs every evening, lit the great lamp, and watched "
+    "the ships pass safely through the narrow channel below.",
+    "Return a new list containing all items from the iterable in ascending order. A custom key function "
+    "can be supplied to customize the sort order, and the reverse flag can be set to request the result "
+    "in descending order.",
+    "Rivers carve their valleys over thousands of years, carrying sand and stones from the mountains to "
+    "the sea, where the currents spread them along the coast.",
+    "Open the file and return a corresponding file object. If the file cannot be opened, an error is "
+    "raised. The mode is an optional string that specifies the mode in which the file is opened.",
+]
+
+
+@contextlib.contextmanager
+def batch_invariant():
+    was = cpu_kernels.batch_invariant()
+    cpu_kernels.set_batch_invariant(True)
+    try:
+        yield
+    finally:
+        cpu_kernels.set_batch_invariant(was)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SMOLLM2, reason=NO_SMOLLM2)
+def test_speculation_gives_plain_greedy_tokens_on_the_embedded_model():
+    """The embedded SmolLM2 (Q4_1) asked to repeat passages, in the dtype "auto" picks: plain decoding
+    one request at a time, then with n-gram drafts one at a time and all at once, token for token."""
+    from tokenos import LLM
+
+    messages = [[{"role": "user", "content": f"Repeat the following text exactly:\n{p}"}] for p in PASSAGES]
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    runs = {}
+    with batch_invariant():
+        for name, spec, seqs in (("plain", None, 1), ("spec", NGRAM, 1), ("spec, batched", NGRAM, 4)):
+            llm = LLM(max_model_len=512, max_num_seqs=seqs, speculative_config=spec)
+            runs[name] = [o.outputs[0].token_ids for o in llm.chat(messages, params, use_tqdm=False)]
+            if spec:
+                assert llm.get_metrics()["spec_decoding"]["num_accepted_tokens"] > 0
+    assert runs["spec"] == runs["plain"]
+    assert runs["spec, batched"] == runs["plain"]
+
+
+def test_speculation_on_an_online_quantized_tiny_model_keeps_plain_tokens(tiny_llama):
+    """fp32 rows through the quantized kernel (int8 online): batched speculation, plain decoding."""
+    folder, _ = tiny_llama
+    prompts = [p * 3 for p in DENSE.prompts(4, 4, 12, seed=5)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runs = []
+    with batch_invariant():
+        for spec in (None, {**NGRAM, "prompt_lookup_min": 1, "prompt_lookup_max": 3}):
+            llm = make_llm(folder, quantization="int8", speculative_config=spec)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[0] == runs[1]
+
+
+def test_a_model_with_dense_linears_is_refused(tiny_llama):
+    """Dense weights run torch's GEMM, whose sums depend on the row count: refused, saying what to do."""
+    folder, _ = tiny_llama
+    with batch_invariant(), pytest.raises(ValueError, match="TOKENOS_BATCH_INVARIANT=1 needs every linear"):
+        make_llm(folder)
