@@ -278,6 +278,11 @@ class Attention(CacheLayer):
         else:
             flat.index_copy_(0, meta.write_rows(rows_per_block), torch.cat((k, v)).to(flat.dtype))
         out = torch.empty_like(q)
+        if cpu_kernels.batch_invariant() and self._use_c_prefill(q, kv_cache):
+            # Decodes, drafts being verified and prompt chunks all through the prefill kernel: a query's
+            # attention then does not depend on what its step holds or how its prompt was chunked.
+            self._c_prefill(q, kv_cache, *meta.chunks_batch(), out, scaled, None)
+            return out.view(q.shape[0], -1)
         c_kernels = _use_c_kernel(kv_cache)
         decode_batch = meta.decode_batch() if c_kernels else None
         if decode_batch is not None:
@@ -303,19 +308,23 @@ class Attention(CacheLayer):
                 q[group.tokens], flat, rows, meta.decode_mask(i, self.sliding_window)
             )
         if meta.prefills and self._use_c_prefill(q, kv_cache):
-            chunks, table = meta.prefill_batch()
-            scale = self.scale * (self.k_scale if scaled else 1.0)
-            cpu_kernels.paged_prefill(
-                q, kv_cache, table, chunks, scale, self.sliding_window, out, self.logit_softcap, self.sinks
-            )
-            if scaled and self.v_scale != 1.0:
-                for chunk in meta.prefills:
-                    out[chunk.start : chunk.end].mul_(self.v_scale)
+            self._c_prefill(q, kv_cache, *meta.prefill_batch(), out, scaled, meta.prefills)
             return out.view(q.shape[0], -1)
         for i, chunk in enumerate(meta.prefills):
             rows = None if chunk.slots is None else meta.prefill_rows(i, rows_per_block)
             out[chunk.start : chunk.end] = self._prefill(i, chunk, q, k, v, flat, rows, meta)
         return out.view(q.shape[0], -1)
+
+    def _c_prefill(self, q, kv_cache, chunks, table, out, scaled: bool, spans) -> None:
+        """The C prefill kernel over ``chunks`` into ``out``; 8-bit pages' V scale applied after, to the
+        tokens of ``spans`` (chunks with start / end; None: every token)."""
+        scale = self.scale * (self.k_scale if scaled else 1.0)
+        cpu_kernels.paged_prefill(
+            q, kv_cache, table, chunks, scale, self.sliding_window, out, self.logit_softcap, self.sinks
+        )
+        if scaled and self.v_scale != 1.0:
+            for span in [None] if spans is None else spans:
+                (out if span is None else out[span.start : span.end]).mul_(self.v_scale)
 
     def _maybe_calibrate(
         self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata

@@ -108,6 +108,19 @@ class AttentionMetadata:
             )
         return self._cache["prefill_batch"]
 
+    def chunks_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every request as a chunk for the C prefill kernel, decodes included (batch invariance: one
+        kernel, so one arithmetic, for every query): `prefill_batch`'s layout."""
+        if "chunks_batch" not in self._cache:
+            qsl = self.query_start_loc.tolist()
+            lens = zip(self.query_lens_list, self.seq_lens_list, strict=True)
+            rows = [(qsl[r], n, s - n) for r, (n, s) in enumerate(lens)]
+            self._cache["chunks_batch"] = (
+                torch.tensor(rows, dtype=torch.int32),
+                self.block_table.to(torch.int32).contiguous(),
+            )
+        return self._cache["chunks_batch"]
+
     def _rows(self, slots: torch.Tensor, rows_per_block: int) -> torch.Tensor:
         """Flat-cache rows of K for ``slots`` followed by those of V, as one index."""
         k_rows = (slots // self.block_size) * rows_per_block + slots % self.block_size

@@ -145,7 +145,9 @@ class ModelRunner:
                 if isinstance(m, (Linear, LMHead)) and getattr(m, "quantized", None) is None
             }
         )
-        if dense or cpu_kernels.qgemm_kernel(self.model_config.dtype) is None:
+        # bf16 rows without the bf16 kernel (an AVX2 build) run the fp32 one, invariant as well.
+        kernel = cpu_kernels.qgemm_kernel(self.model_config.dtype) or cpu_kernels.qgemm_kernel(torch.float32)
+        if dense or kernel is None:
             what = f"dense weights in {', '.join(dense)}" if dense else "no quantized kernel for this CPU"
             raise ValueError(
                 f"TOKENOS_BATCH_INVARIANT=1 needs every linear on the quantized C kernel, but this model has "

@@ -13,10 +13,13 @@ from tests.fixtures.llm import DENSE, make_llm
 from tests.fixtures.tokenizers import HAS_SMOLLM2, NO_SMOLLM2
 from tokenos import SamplingParams
 from tokenos.layers import cpu_kernels
+from tokenos.platform import native_bf16_supported
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C kernels (no compiler)")
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+# Every query through the C prefill kernel: bf16 on a CPU with AVX512-BF16 (the embedded model's heads).
+BF16_PREFILL_KERNEL = native_bf16_supported() and cpu_kernels.prefill_supported(9, 3, 64)
 
 PASSAGES = [
     "The old lighthouse keeper climbed the spiral stairs every evening, lit the great lamp, and watched "
@@ -43,6 +46,7 @@ def batch_invariant():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not HAS_SMOLLM2, reason=NO_SMOLLM2)
+@pytest.mark.skipif(not BF16_PREFILL_KERNEL, reason="prompt chunks attend through torch SDPA here")
 def test_speculation_gives_plain_greedy_tokens_on_the_embedded_model():
     """The embedded SmolLM2 (Q4_1) asked to repeat passages, in the dtype "auto" picks: plain decoding
     one request at a time, then with n-gram drafts one at a time and all at once, token for token."""
@@ -59,6 +63,38 @@ def test_speculation_gives_plain_greedy_tokens_on_the_embedded_model():
                 assert llm.get_metrics()["spec_decoding"]["num_accepted_tokens"] > 0
     assert runs["spec"] == runs["plain"]
     assert runs["spec, batched"] == runs["plain"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_SMOLLM2, reason=NO_SMOLLM2)
+@pytest.mark.skipif(not BF16_PREFILL_KERNEL, reason="prompt chunks attend through torch SDPA here")
+def test_every_scheduling_path_gives_the_same_tokens_on_the_embedded_model():
+    """Where every query attends through the C prefill kernel (bf16 on AVX512-BF16), the tokens do not
+    depend on the schedule at all: chunked prefill, prefix hits (a prompt twice), preemption by
+    recompute, n = 2, each with and without n-gram drafts, equal one request alone."""
+    from tokenos import LLM
+
+    messages = [[{"role": "user", "content": f"Repeat the following text exactly:\n{p}"}] for p in PASSAGES]
+    messages.append(messages[0])  # the second copy hits the first's pages
+    small = {"num_kv_blocks": 20, "enable_prefix_caching": False}  # 320 tokens for 5 of ~130: preempts
+    variants = [
+        ("alone", {"max_num_seqs": 1}, 1),
+        ("chunked", {"max_num_batched_tokens": 48}, 1),
+        ("preempted", small, 1),
+        ("n=2", {}, 2),
+    ]
+    want = None
+    with batch_invariant():
+        for name, kwargs, n in variants:
+            for spec in (None, NGRAM):
+                llm = LLM(dtype="bfloat16", max_model_len=256, speculative_config=spec, **kwargs)
+                params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, n=n)
+                outs = llm.chat(messages, params, use_tqdm=False)
+                got = [[c.token_ids for c in o.outputs] for o in outs]
+                want = want or [[c[0]] * n for c in got]
+                assert got == [[w[0]] * n for w in want], (name, spec)
+                if name == "preempted":
+                    assert llm.get_metrics()["num_preemptions"] > 0
 
 
 def test_speculation_on_an_online_quantized_tiny_model_keeps_plain_tokens(tiny_llama):

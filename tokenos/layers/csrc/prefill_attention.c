@@ -53,10 +53,12 @@ _Static_assert(PF_KT == PREFIX_TILE_KEYS, "packed_prefix.c counts tiles of PF_KT
 
 int paged_prefill_available(void) { return 1; }
 
-/* Where a chunk's packed keys start: the first key its first query may see, rounded down to a tile. */
+/* Where a chunk's packed keys start: the first key its first query may see, rounded down to a block of
+ * the AMX path (PF_BS keys), so that a query's keys fall into the same blocks, and its online softmax
+ * takes the same steps, however its prompt was chunked (attend_item starts on a block too). */
 static inline int key_base(int ctx, int window) {
     if (window <= 0 || ctx - window + 1 <= 0) return 0;
-    return (ctx - window + 1) / PF_KT * PF_KT;
+    return (ctx - window + 1) / PF_BS * PF_BS;
 }
 
 /* bf16 bits of each float8 e4m3fn code (exact: 3 mantissa bits, exponents 2^-9 .. 2^8). */
@@ -526,8 +528,8 @@ static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
     const int first_pos = ctx + t0, last_pos = ctx + t1 - 1;
     int lo_key = window > 0 ? first_pos - window + 1 : 0;
     if (lo_key < kbase) lo_key = kbase;
-    attend_rows(kp, vp, kbase, (lo_key - kbase) / PF_KT, (last_pos - kbase) / PF_KT + 1, rows, d, scale, window,
-                cap, w, amx, 0);
+    attend_rows(kp, vp, kbase, (lo_key - kbase) / PF_BS * PF_BT, (last_pos - kbase) / PF_KT + 1, rows, d, scale,
+                window, cap, w, amx, 0);
     for (int r = 0; r < live; r++) {
         const int t = t0 + r / g, h = r % g;
         const float f = sinks ? sink_factor(w->m[r], w->l[r], sinks[kh * g + h])
