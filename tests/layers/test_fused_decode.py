@@ -83,6 +83,25 @@ def test_fused_decode_equals_the_module_path(tiny, method, dtype, kv, monkeypatc
     assert fused == reference
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv", ["auto", "fp8"])
+def test_fused_decode_equals_the_module_path_under_batch_invariance(tiny, dtype, kv, monkeypatch):
+    """Batch invariance sends every bf16 query to the prefill kernel: the fused layer as a chunk of one
+    query per token, the module path as a chunk per request; float32 keeps the decode kernel with splits
+    from each request's length. Still the module path bit for bit."""
+    prompts = random_prompts(5, 3, 40, seed=12, vocab=LLM_SHAPE["vocab_size"])
+    kwargs = dict(quantization="int4", dtype=dtype, max_num_seqs=3, block_size=16, max_num_batched_tokens=32)
+    was = cpu_kernels.batch_invariant()
+    cpu_kernels.set_batch_invariant(True)
+    try:
+        fused, plan, taken, _ = _run(tiny, monkeypatch, True, prompts, kv_cache_dtype=kv, **kwargs)
+        reference, *_ = _run(tiny, monkeypatch, False, prompts, kv_cache_dtype=kv, **kwargs)
+    finally:
+        cpu_kernels.set_batch_invariant(was)
+    assert plan is not None and taken > 10
+    assert fused == reference
+
+
 def test_prefix_hit_preemption_and_n_samples(tiny, monkeypatch):
     shared = random_prompts(1, 40, 40, seed=3, vocab=LLM_SHAPE["vocab_size"])[0]
     prompts = [shared + tail for tail in random_prompts(4, 1, 9, seed=4, vocab=LLM_SHAPE["vocab_size"])]

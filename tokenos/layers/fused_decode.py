@@ -144,9 +144,6 @@ class FusedDecodePlan:
         self.inter = first.mlp.down_proj.input_size
         self.rotary = attn.rotary
         self.layers = [self._layer(layer) for layer in stack.layers]
-        self.prefill_kernel = dtype == torch.bfloat16 and cpu_kernels.prefill_supported(
-            self.heads, self.kv_heads, self.head_dim
-        )
         self.grouped = (
             dtype == torch.bfloat16
             and cpu_kernels.uses_cascade()
@@ -197,8 +194,8 @@ class FusedDecodePlan:
         or 8-bit ones whose scales no later step changes (a layer still to calibrate takes the module
         path, which calibrates it)."""
         n = batch.input_ids.shape[0]
-        if n == 0 or (self.prefill_kernel and cpu_kernels.batch_invariant()):
-            return False  # batch invariance: the module path sends every query to the prefill kernel
+        if n == 0:
+            return False
         checked: set[int] = set()  # layers of one KV-cache group share their metadata
         for layer in self.layers:
             kv_cache, meta = layer.attn.cache_entry(batch)

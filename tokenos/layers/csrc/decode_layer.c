@@ -20,6 +20,7 @@
  * module path (tokenos/layers/attention.py) does.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "vec_math.h"
@@ -51,6 +52,12 @@ DECLARE_KV_WRITE(kv_write_fp8_f32, float)
 DECLARE_KV_WRITE(kv_write_fp8_bf16, bf16)
 DECLARE_KV_WRITE(kv_write_int8_f32, float)
 DECLARE_KV_WRITE(kv_write_int8_bf16, bf16)
+void paged_prefill_bf16(const bf16 *q, int64_t q_stride, const void *cache, int kv_kind, int64_t page_stride,
+                        int block_size, const int32_t *block_table, int max_blocks, const int32_t *chunks,
+                        int num_chunks, int num_heads, int num_kv_heads, int head_size, float scale, int window,
+                        bf16 *out, int64_t out_stride, float cap, const float *sinks);
+int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size);
+int kernels_batch_invariant(void);
 /* qlinear.c's entry points take its `qdesc`; only its address passes through here. */
 void qgemm_f32_desc(const void *w, const float *x, int64_t M, int64_t xs, float *out, int64_t os);
 void qgemm_bf16_desc(const void *w, const bf16 *x, int64_t M, int64_t xs, void *out, int64_t os, int out_f32);
@@ -93,6 +100,29 @@ static void decode_8bit(const layer_desc *L, const step_desc *S, const int8_t *c
     else
         paged_decode_int8(S->qf, cache, L->page_stride, S->block_size, S->block_table, S->max_blocks, S->seq_lens, n,
                           S->heads, S->kv_heads, hd, L->scale, L->window, S->of, 0.0f, NULL, S->epochs);
+}
+
+/* Batch invariance (qlinear.c's kernels_batch_invariant): each token attends through the prefill
+ * kernel as a chunk of one query, as the module path sends every query there (attention.py), so the
+ * fused and the module path stay equal bit for bit and a token's attention does not depend on its step.
+ * 1: done, attn holds the outputs; 0: the decode kernel's turn (not invariant, or a float32 step). */
+static int invariant_attention_f32(const layer_desc *L, const step_desc *S, float *qkv, float *attn) {
+    (void)L, (void)S, (void)qkv, (void)attn;
+    return 0;
+}
+static int invariant_attention_bf16(const layer_desc *L, const step_desc *S, bf16 *qkv, bf16 *attn) {
+    if (!kernels_batch_invariant() || !paged_prefill_supports(S->heads, S->kv_heads, S->head_dim)) return 0;
+    const int n = (int)S->n;
+    const int64_t q_width = (int64_t)S->heads * S->head_dim, width = q_width + 2 * (int64_t)S->kv_heads * S->head_dim;
+    int32_t *chunks = (int32_t *)malloc(sizeof(int32_t) * 3 * (size_t)n);
+    for (int t = 0; t < n; t++) chunks[3 * t] = t, chunks[3 * t + 1] = 1, chunks[3 * t + 2] = S->seq_lens[t] - 1;
+    paged_prefill_bf16(qkv, width, L->kv_cache, L->kv_kind, L->page_stride, S->block_size, S->block_table,
+                       S->max_blocks, chunks, n, S->heads, S->kv_heads, S->head_dim, L->scale, L->window, attn,
+                       q_width, 0.0f, NULL);
+    free(chunks);
+    if (L->kv_kind != KV_MODEL && L->v_scale != 1.0f) /* the module path's out.mul_(v_scale), in bf16 */
+        for (int64_t j = 0; j < n * q_width; j++) attn[j] = f32_to_bf16(bf16_to_f32(attn[j]) * L->v_scale);
+    return 1;
 }
 
 static inline float ld_f32(const float *p) { return *p; }
@@ -161,6 +191,7 @@ void decode_layer_##SUFFIX(const layer_desc *L, const step_desc *S, T *x, T *res
         }                                                                                                \
         widen_##SUFFIX(qt, S->qf + t * q_width, q_width);                                                \
     }                                                                                                    \
+    if (invariant_attention_##SUFFIX(L, S, qkv, attn)) goto attended;                                    \
     if (L->kv_kind == KV_MODEL)                                                                          \
         paged_decode_##SUFFIX(S->qf, cache, L->page_stride, S->block_size, S->block_table, S->max_blocks, \
                               S->seq_lens, (int)n, S->heads, S->kv_heads, (int)hd, L->scale, L->window,  \
@@ -170,6 +201,7 @@ void decode_layer_##SUFFIX(const layer_desc *L, const step_desc *S, T *x, T *res
     if (L->kv_kind != KV_MODEL && L->v_scale != 1.0f) /* the module path's out.mul_(v_scale) */         \
         for (int64_t j = 0; j < n * q_width; j++) S->of[j] *= L->v_scale;                                \
     for (int64_t j = 0; j < n * q_width; j++) st_##SUFFIX(attn + j, S->of[j]);                           \
+attended:                                                                                                \
     qgemm_##SUFFIX##_call(L->o, attn, n, q_width, h, hidden);                                            \
     rms_norm_##SUFFIX(h, residual, (const T *)L->ln2, h, residual, n, (int)hidden, L->eps);              \
     qgemm_##SUFFIX##_call(L->gate_up, h, n, hidden, gu, 2 * (int64_t)S->inter);                          \
