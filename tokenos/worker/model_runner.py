@@ -28,8 +28,6 @@ from tokenos.core.spec_decode import SpeculativeConfig
 from tokenos.layers import cpu_kernels
 from tokenos.layers.attention import Attention
 from tokenos.layers.attention_metadata import AttentionMetadata, make_attention_metadata
-from tokenos.layers.embedding import LMHead
-from tokenos.layers.linear import Linear
 from tokenos.layers.metadata import ForwardBatch
 from tokenos.layers.quantization import weight_bytes
 from tokenos.layers.recurrent_batch import RecurrentBatch
@@ -42,6 +40,7 @@ from tokenos.sample.logits_processor import EngineConfig, LogitsProcessor, build
 from tokenos.sample.metadata import SamplingMetadata
 from tokenos.sample.rejection import RejectionSampler, accept_greedy
 from tokenos.sample.sampler import Sampler, compute_prompt_logprobs
+from tokenos.worker.batch_invariance import check_batch_invariant
 from tokenos.worker.draft_model import DraftModel, drafter_specs
 from tokenos.worker.input_batch import InputBatch
 from tokenos.worker.kv_cache import PageEpochs, allocate_kv_caches
@@ -132,28 +131,8 @@ class ModelRunner:
         )
 
     def check_batch_invariant(self) -> None:
-        """Refuse batch invariance (``TOKENOS_BATCH_INVARIANT=1``) for a model it cannot hold for: every
-        linear and the LM head must run csrc/qlinear.c's kernel (a quantized checkpoint, or
-        ``quantization="int8"/"int4"``), since torch's GEMM for dense weights picks its blocking by row
-        count, and a row's sums would change with the batch."""
-        if not cpu_kernels.batch_invariant():
-            return
-        dense = sorted(
-            {
-                type(m).__name__
-                for m in self.model.modules()
-                if isinstance(m, (Linear, LMHead)) and getattr(m, "quantized", None) is None
-            }
-        )
-        # bf16 rows without the bf16 kernel (an AVX2 build) run the fp32 one, invariant as well.
-        kernel = cpu_kernels.qgemm_kernel(self.model_config.dtype) or cpu_kernels.qgemm_kernel(torch.float32)
-        if dense or kernel is None:
-            what = f"dense weights in {', '.join(dense)}" if dense else "no quantized kernel for this CPU"
-            raise ValueError(
-                f"TOKENOS_BATCH_INVARIANT=1 needs every linear on the quantized C kernel, but this model has "
-                f"{what}. Load a quantized checkpoint or pass quantization='int8' (or 'int4'), or unset "
-                "TOKENOS_BATCH_INVARIANT."
-            )
+        """Refuse batch invariance (``TOKENOS_BATCH_INVARIANT=1``) where it cannot hold for this model."""
+        check_batch_invariant(self.model, self.model_config.dtype)
 
     def _describe_linears(self) -> str:
         modules = list(self.model.modules())

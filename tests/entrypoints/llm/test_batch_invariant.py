@@ -9,6 +9,7 @@ import contextlib
 
 import pytest
 
+from tests.fixtures.checkpoints import save_tiny
 from tests.fixtures.llm import DENSE, make_llm
 from tests.fixtures.tokenizers import HAS_SMOLLM2, NO_SMOLLM2
 from tokenos import SamplingParams
@@ -116,3 +117,11 @@ def test_a_model_with_dense_linears_is_refused(tiny_llama):
     folder, _ = tiny_llama
     with batch_invariant(), pytest.raises(ValueError, match="TOKENOS_BATCH_INVARIANT=1 needs every linear"):
         make_llm(folder)
+
+
+def test_a_model_it_is_not_built_for_is_refused(tmp_path):
+    """A hybrid (a recurrent mixer beside attention), even with every linear quantized: refused by name."""
+    folder = str(tmp_path / "bamba")
+    save_tiny("bamba", folder)
+    with batch_invariant(), pytest.raises(ValueError, match="Mamba2Mixer"):
+        make_llm(folder, quantization="int8")
