@@ -112,13 +112,25 @@ static int invariant_attention_f32(const layer_desc *L, const step_desc *S, floa
 }
 static int invariant_attention_bf16(const layer_desc *L, const step_desc *S, bf16 *qkv, bf16 *attn) {
     if (!kernels_batch_invariant() || !paged_prefill_supports(S->heads, S->kv_heads, S->head_dim)) return 0;
-    const int n = (int)S->n;
+    const int n = (int)S->n, mb = S->max_blocks;
     const int64_t q_width = (int64_t)S->heads * S->head_dim, width = q_width + 2 * (int64_t)S->kv_heads * S->head_dim;
-    int32_t *chunks = (int32_t *)malloc(sizeof(int32_t) * 3 * (size_t)n);
-    for (int t = 0; t < n; t++) chunks[3 * t] = t, chunks[3 * t + 1] = 1, chunks[3 * t + 2] = S->seq_lens[t] - 1;
-    paged_prefill_bf16(qkv, width, L->kv_cache, L->kv_kind, L->page_stride, S->block_size, S->block_table,
-                       S->max_blocks, chunks, n, S->heads, S->kv_heads, S->head_dim, L->scale, L->window, attn,
-                       q_width, 0.0f, NULL);
+    /* A request's consecutive tokens (a decode and its drafts: the same pages, one position apart) are one
+     * chunk, packed once; a query's arithmetic is the same in a chunk of one or of several. */
+    int32_t *chunks = (int32_t *)malloc(sizeof(int32_t) * (3 + (size_t)mb) * (size_t)n), *table = chunks + 3 * n;
+    int m = 0;
+    for (int t = 0; t < n; t++) {
+        const int32_t *row = S->block_table + (int64_t)t * mb;
+        if (m > 0 && S->seq_lens[t] == S->seq_lens[t - 1] + 1
+            && memcmp(row, table + (int64_t)(m - 1) * mb, sizeof(int32_t) * (size_t)mb) == 0) {
+            chunks[3 * (m - 1) + 1]++;
+            continue;
+        }
+        chunks[3 * m] = t, chunks[3 * m + 1] = 1, chunks[3 * m + 2] = S->seq_lens[t] - 1;
+        memcpy(table + (int64_t)m * mb, row, sizeof(int32_t) * (size_t)mb);
+        m++;
+    }
+    paged_prefill_bf16(qkv, width, L->kv_cache, L->kv_kind, L->page_stride, S->block_size, table, mb, chunks, m,
+                       S->heads, S->kv_heads, S->head_dim, L->scale, L->window, attn, q_width, 0.0f, NULL);
     free(chunks);
     if (L->kv_kind != KV_MODEL && L->v_scale != 1.0f) /* the module path's out.mul_(v_scale), in bf16 */
         for (int64_t j = 0; j < n * q_width; j++) attn[j] = f32_to_bf16(bf16_to_f32(attn[j]) * L->v_scale);
