@@ -5,14 +5,13 @@ pins down so that the others cannot pass by accident."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
+from tests.fixtures.kernels import batch_invariant, random_quantized
 from tokenos.layers import cpu_kernels
 from tokenos.layers.attention import allocate_kv_cache
-from tokenos.layers.quantization import QuantizedTensor, QuantizedWeight
+from tokenos.layers.quantization import QuantizedWeight
 
 pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C kernels (no compiler)")
 
@@ -20,25 +19,8 @@ KERNEL_DTYPES = [d for d in (torch.float32, torch.bfloat16) if cpu_kernels.qgemm
 ROW_COUNTS = (1, 2, 5, 9, 16, 17, 40, 100)
 
 
-@contextlib.contextmanager
-def invariant(on: bool = True):
-    was = cpu_kernels.batch_invariant()
-    cpu_kernels.set_batch_invariant(on)
-    try:
-        yield
-    finally:
-        cpu_kernels.set_batch_invariant(was)
-
-
 def _weight(n: int, k: int, bits: int, group: int, zeros: bool, seed: int) -> QuantizedWeight:
-    g = torch.Generator().manual_seed(seed)
-    if bits == 4:
-        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    else:
-        q = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
-    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half()
-    z = (torch.randn(n, k // group, generator=g) * 0.05).half() if zeros else None
-    return QuantizedWeight(QuantizedTensor(q, scales, z, bits, group))
+    return QuantizedWeight(random_quantized(n, k, bits, group, zeros, seed))
 
 
 def _rows_alone_and_together(qw: QuantizedWeight, x: torch.Tensor, out_dtype: torch.dtype):
@@ -54,7 +36,7 @@ def test_without_invariance_a_row_depends_on_the_row_count():
     dtype = KERNEL_DTYPES[-1]
     qw = _weight(576, 1536, 4, 32, True, seed=1)
     x = torch.randn(100, 1536).to(dtype)
-    with invariant(False):
+    with batch_invariant(False):
         together, alone = _rows_alone_and_together(qw, x, torch.float32)
     assert any(not torch.equal(together[m], alone[:m]) for m in ROW_COUNTS if m > 1)
 
@@ -74,7 +56,7 @@ def test_a_linear_row_is_the_same_bits_at_every_row_count(dtype, bits, zeros, n,
     want = x.double() @ weight.T
     # fp32 rows: fp32 sums; bf16 rows on the panel path (no AMX) multiply weights rounded to bf16.
     bound = (1e-5 if dtype == torch.float32 else 2**-8) * (x.double().abs() @ weight.abs().T).max().item()
-    with invariant():
+    with batch_invariant():
         for out_dtype in (torch.float32, dtype):
             together, alone = _rows_alone_and_together(qw, x, out_dtype)
             for m, rows in together.items():
@@ -89,7 +71,7 @@ def test_greedy_ids_are_the_same_at_every_row_count():
     """The LM head's fused argmax (no logits stored) picks each row's id as that row alone would."""
     qw = _weight(1000, 576, 8, 32, False, seed=7)
     x = torch.randn(100, 576).bfloat16()
-    with invariant():
+    with batch_invariant():
         alone = torch.cat([qw.argmax(x[i : i + 1]) for i in range(100)])
         for m in ROW_COUNTS:
             assert torch.equal(qw.argmax(x[:m]), alone[:m]), m
@@ -120,11 +102,11 @@ def test_a_decode_attends_the_same_bits_alone_or_in_a_batch(dtype):
         lens.append(len(table) * block - r % block)
     cache = allocate_kv_cache(page, block, 3, 64, dtype).normal_()
     q = torch.randn(len(tables), 9, 64)
-    with invariant(False):  # by default a long request splits by batch size, and a group is cascaded
+    with batch_invariant(False):  # by default a long request splits by batch size, and a group is cascaded
         together = _decode(q, cache, tables, lens, block)
         alone = [_decode(q[r : r + 1], cache, tables[r : r + 1], lens[r : r + 1], block) for r in range(24)]
         assert not all(torch.equal(together[r : r + 1], alone[r]) for r in range(24))
-    with invariant():
+    with batch_invariant():
         together = _decode(q, cache, tables, lens, block)
         for r in range(len(tables)):
             alone = _decode(q[r : r + 1], cache, tables[r : r + 1], lens[r : r + 1], block)

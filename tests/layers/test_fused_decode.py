@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.fixtures.checkpoints import LLM_SHAPE, save_tiny
+from tests.fixtures.kernels import batch_invariant
 from tests.fixtures.llm import generate_greedy, make_llm, random_prompts
 from tokenos.layers import attention, cpu_kernels
 from tokenos.layers.fused_decode import FusedDecodePlan
@@ -91,13 +92,9 @@ def test_fused_decode_equals_the_module_path_under_batch_invariance(tiny, dtype,
     from each request's length. Still the module path bit for bit."""
     prompts = random_prompts(5, 3, 40, seed=12, vocab=LLM_SHAPE["vocab_size"])
     kwargs = dict(quantization="int4", dtype=dtype, max_num_seqs=3, block_size=16, max_num_batched_tokens=32)
-    was = cpu_kernels.batch_invariant()
-    cpu_kernels.set_batch_invariant(True)
-    try:
+    with batch_invariant():
         fused, plan, taken, _ = _run(tiny, monkeypatch, True, prompts, kv_cache_dtype=kv, **kwargs)
         reference, *_ = _run(tiny, monkeypatch, False, prompts, kv_cache_dtype=kv, **kwargs)
-    finally:
-        cpu_kernels.set_batch_invariant(was)
     assert plan is not None and taken > 10
     assert fused == reference
 

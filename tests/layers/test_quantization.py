@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.fixtures.kernels import random_quantized
 from tokenos.layers import cpu_kernels
 from tokenos.layers.embedding import LMHead, VocabEmbedding
 from tokenos.layers.linear import Linear, QKVLinear
-from tokenos.layers.quantization import QuantizedTensor, QuantizedWeight, quantize
+from tokenos.layers.quantization import QuantizedWeight, quantize
 from tokenos.model_loader.gguf_loader import gguf_quantized
 from tokenos.platform import native_bf16_supported
 
@@ -24,17 +25,6 @@ KERNEL_DTYPES = [
     for d in (torch.float32, torch.bfloat16)
     if cpu_kernels.qgemm_kernel(d) is not None and (d == torch.float32 or native_bf16_supported())
 ]
-
-
-def _random_tensor(n: int, k: int, bits: int, group: int, zeros: bool, seed: int) -> QuantizedTensor:
-    g = torch.Generator().manual_seed(seed)
-    if bits == 4:
-        q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
-    else:
-        q = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
-    scales = (torch.rand(n, k // group, generator=g) * 0.02 + 1e-3).half()
-    z = (torch.randn(n, k // group, generator=g) * 0.05).half() if zeros else None
-    return QuantizedTensor(q, scales, z, bits, group)
 
 
 @settings(max_examples=60, deadline=None)
@@ -48,7 +38,7 @@ def _random_tensor(n: int, k: int, bits: int, group: int, zeros: bool, seed: int
 )
 def test_packing_round_trips(blocks, tail, groups, group, bits, zeros):
     n, k = 16 * blocks - tail, groups * group
-    t = _random_tensor(n, k, bits, group, zeros, seed=n * k)
+    t = random_quantized(n, k, bits, group, zeros, seed=n * k)
     back = QuantizedWeight(t).unpack()
     assert torch.equal(back.q, t.q)
     assert torch.equal(back.scales, t.scales)
@@ -64,7 +54,7 @@ def test_packing_round_trips(blocks, tail, groups, group, bits, zeros):
 )
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_kernel_matches_dequantized_reference(bits, zeros, n, k, group, dtype):
-    t = _random_tensor(n, k, bits, group, zeros, seed=n + k + bits)
+    t = random_quantized(n, k, bits, group, zeros, seed=n + k + bits)
     qw = QuantizedWeight(t)
     weight = t.dequantize()
     # Few rows (1..8 for bf16, 1..3 for float32) take the few-row path, more the panel path (tiles
@@ -82,7 +72,7 @@ def test_kernel_matches_dequantized_reference(bits, zeros, n, k, group, dtype):
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_kernel_float32_output_bias_and_strided_rows(dtype):
-    t = _random_tensor(50, 64, 4, 32, True, seed=3)
+    t = random_quantized(50, 64, 4, 32, True, seed=3)
     qw = QuantizedWeight(t)
     base = torch.randn(7, 128).to(dtype)
     x = base[:, :64]  # rows with a stride: the kernel reads them in place
@@ -96,7 +86,7 @@ def test_kernel_float32_output_bias_and_strided_rows(dtype):
 
 
 def test_torch_path_without_kernel_is_the_reference(monkeypatch):
-    t = _random_tensor(20, 64, 8, 16, False, seed=5)
+    t = random_quantized(20, 64, 8, 16, False, seed=5)
     qw = QuantizedWeight(t)
     monkeypatch.setattr(qw, "_gemms", {})
     x = torch.randn(3, 64)
@@ -109,7 +99,7 @@ def test_torch_path_without_kernel_is_the_reference(monkeypatch):
 @pytest.mark.parametrize("zeros", [False, True])
 @pytest.mark.parametrize(("n", "k", "group"), [(40, 64, 32), (17, 128, 128), (100, 96, 16), (33, 30, 6)])
 def test_dequant_kernel_gives_dequantize_floats_exactly(bits, zeros, n, k, group):
-    qw = QuantizedWeight(_random_tensor(n, k, bits, group, zeros, seed=n * k + bits))
+    qw = QuantizedWeight(random_quantized(n, k, bits, group, zeros, seed=n * k + bits))
     if torch.float32 not in qw._gemms:
         pytest.skip("a K or group the kernels do not take (the torch path runs)")
     want = qw.dequantize(torch.float32)
@@ -127,7 +117,7 @@ def test_dequant_kernel_gives_dequantize_floats_exactly(bits, zeros, n, k, group
 def test_many_rows_take_dequantize_and_gemm_like_the_panel(monkeypatch, bits, pieces):
     from tokenos.layers import quantization
 
-    t = _random_tensor(100, 96, bits, 32, True, seed=bits)
+    t = random_quantized(100, 96, bits, 32, True, seed=bits)
     qw, bias = QuantizedWeight(t), torch.randn(100)
     if pieces:  # the weight in several pieces of rows, as an LM head is
         monkeypatch.setattr(quantization, "SCRATCH_FLOATS", 32 * 96)
@@ -156,7 +146,7 @@ def test_dense_from_rows_follows_the_cpu_and_the_override(monkeypatch):
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_rows_are_dequantized_table_rows(bits):
-    t = _random_tensor(70, 48, bits, 16, bits == 4, seed=9)
+    t = random_quantized(70, 48, bits, 16, bits == 4, seed=9)
     qw = QuantizedWeight(t)
     ids = torch.tensor([[0, 69, 15], [16, 33, 8]])
     assert torch.equal(qw.rows(ids, torch.float32), t.dequantize()[ids])
@@ -311,7 +301,7 @@ def test_amx_panel_path_matches_the_avx512_panel_path(bits, n, k):
     """Both multiply the same bf16-rounded dequantized panel in fp32, so they differ only by the order
     of the fp32 sums; row counts past the few-row paths (AMX takes up to 16 rows exactly, below), and
     rows read with a stride."""
-    t = _random_tensor(n, k, bits, 32, True, seed=n + k)
+    t = random_quantized(n, k, bits, 32, True, seed=n + k)
     qw = QuantizedWeight(t)
     base = torch.randn(70, k + 32).bfloat16()
     allowed = cpu_kernels.uses_amx()
@@ -338,7 +328,7 @@ def test_amx_few_row_path_is_exact_as_the_avx512_few_row_path(bits, zeros, n, k,
     sums, as the AVX-512 few-row path does: no weight is rounded, so both sit within fp32 summation
     error of a float64 reference (a bf16-rounded weight would be off by about 2^-9 of each product).
     Odd block counts, rows with a stride, fp32 and bf16 outputs."""
-    t = _random_tensor(n, k, bits, group, zeros, seed=n * k + bits)
+    t = random_quantized(n, k, bits, group, zeros, seed=n * k + bits)
     qw = QuantizedWeight(t)
     weight = t.dequantize().double()
     base = torch.randn(16, k + 32).bfloat16()

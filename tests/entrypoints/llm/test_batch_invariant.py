@@ -5,11 +5,10 @@ of alone; and a model the mode cannot hold for is refused at start-up, never run
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 
 from tests.fixtures.checkpoints import save_tiny
+from tests.fixtures.kernels import batch_invariant
 from tests.fixtures.llm import DENSE, make_llm
 from tests.fixtures.tokenizers import HAS_SMOLLM2, NO_SMOLLM2
 from tokenos import SamplingParams
@@ -33,16 +32,6 @@ PASSAGES = [
     "Open the file and return a corresponding file object. If the file cannot be opened, an error is "
     "raised. The mode is an optional string that specifies the mode in which the file is opened.",
 ]
-
-
-@contextlib.contextmanager
-def batch_invariant():
-    was = cpu_kernels.batch_invariant()
-    cpu_kernels.set_batch_invariant(True)
-    try:
-        yield
-    finally:
-        cpu_kernels.set_batch_invariant(was)
 
 
 @pytest.mark.slow
