@@ -323,8 +323,8 @@ class Attention(CacheLayer):
             q, kv_cache, table, chunks, scale, self.sliding_window, out, self.logit_softcap, self.sinks
         )
         if scaled and self.v_scale != 1.0:
-            for span in [None] if spans is None else spans:
-                (out if span is None else out[span.start : span.end]).mul_(self.v_scale)
+            for part in [out] if spans is None else [out[span.start : span.end] for span in spans]:
+                part.mul_(self.v_scale)
 
     def _maybe_calibrate(
         self, k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, meta: AttentionMetadata

@@ -23,8 +23,13 @@ from tokenos.models import llama
 
 # Exact types (not subclasses, which may compute otherwise).
 ROW_WISE = (SiluAndMul, Attention, VocabEmbedding, RMSNorm, RotaryEmbedding, nn.ModuleList)
-DECODER = (llama.DecoderAttention, llama.DecoderLayer, llama.DecoderMLP, llama.DecoderModel)
-DECODER += (llama.LlamaForCausalLM,)
+DECODER = (
+    llama.DecoderAttention,
+    llama.DecoderLayer,
+    llama.DecoderMLP,
+    llama.DecoderModel,
+    llama.LlamaForCausalLM,
+)
 QUANTIZED = (Linear, MergedLinear, QKVLinear, LMHead)
 
 

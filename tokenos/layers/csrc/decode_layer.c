@@ -102,16 +102,19 @@ static void decode_8bit(const layer_desc *L, const step_desc *S, const int8_t *c
                           S->heads, S->kv_heads, hd, L->scale, L->window, S->of, 0.0f, NULL, S->epochs);
 }
 
-/* Batch invariance (qlinear.c's kernels_batch_invariant): each token attends through the prefill
- * kernel as a chunk of one query, as the module path sends every query there (attention.py), so the
- * fused and the module path stay equal bit for bit and a token's attention does not depend on its step.
- * 1: done, attn holds the outputs; 0: the decode kernel's turn (not invariant, or a float32 step). */
-static int invariant_attention_f32(const layer_desc *L, const step_desc *S, float *qkv, float *attn) {
-    (void)L, (void)S, (void)qkv, (void)attn;
-    return 0;
+/* Batch invariance (qlinear.c's kernels_batch_invariant): a step's tokens attend through the prefill
+ * kernel, as the module path sends every query there (attention.py), so the fused and the module path
+ * stay equal bit for bit and a token's attention does not depend on its step. Whether this step does
+ * (bf16 with the prefill kernel; a float32 step keeps the decode kernel, invariant by its splits): */
+static int invariant_attention_on_f32(const step_desc *S) { (void)S; return 0; }
+static int invariant_attention_on_bf16(const step_desc *S) {
+    return kernels_batch_invariant() && paged_prefill_supports(S->heads, S->kv_heads, S->head_dim);
 }
-static int invariant_attention_bf16(const layer_desc *L, const step_desc *S, bf16 *qkv, bf16 *attn) {
-    if (!kernels_batch_invariant() || !paged_prefill_supports(S->heads, S->kv_heads, S->head_dim)) return 0;
+/* The attention outputs into attn (only where invariant_attention_on_*). */
+static void invariant_attention_f32(const layer_desc *L, const step_desc *S, float *qkv, float *attn) {
+    (void)L, (void)S, (void)qkv, (void)attn;
+}
+static void invariant_attention_bf16(const layer_desc *L, const step_desc *S, bf16 *qkv, bf16 *attn) {
     const int n = (int)S->n, mb = S->max_blocks;
     const int64_t q_width = (int64_t)S->heads * S->head_dim, width = q_width + 2 * (int64_t)S->kv_heads * S->head_dim;
     /* A request's consecutive tokens (a decode and its drafts: the same pages, one position apart) are one
@@ -134,7 +137,6 @@ static int invariant_attention_bf16(const layer_desc *L, const step_desc *S, bf1
     free(chunks);
     if (L->kv_kind != KV_MODEL && L->v_scale != 1.0f) /* the module path's out.mul_(v_scale), in bf16 */
         for (int64_t j = 0; j < n * q_width; j++) attn[j] = f32_to_bf16(bf16_to_f32(attn[j]) * L->v_scale);
-    return 1;
 }
 
 static inline float ld_f32(const float *p) { return *p; }
@@ -182,6 +184,7 @@ void decode_layer_##SUFFIX(const layer_desc *L, const step_desc *S, T *x, T *res
      * widened for the attention kernel. The qkv rows were just written by every thread (each its own    \
      * columns), so the threads share the rows here too rather than one thread pulling them all in.  */ \
     T *cache = (T *)L->kv_cache;                                                                         \
+    const int invariant = invariant_attention_on_##SUFFIX(S);                                            \
     int8_t *bytes = (int8_t *)L->kv_cache;                                                               \
     const int64_t bs = S->block_size, half = S->rotary_dim / 2;                                          \
     _Pragma("omp parallel for schedule(static) if (n >= TOKENS_PARALLEL_MIN)")                           \
@@ -201,19 +204,21 @@ void decode_layer_##SUFFIX(const layer_desc *L, const step_desc *S, T *x, T *res
             (L->kv_kind == KV_FP8 ? kv_write_fp8_##SUFFIX : kv_write_int8_##SUFFIX)(                     \
                 k, 0, v, 0, 1, (int)kv_width, page, rows, L->k_write, L->v_write);                       \
         }                                                                                                \
-        widen_##SUFFIX(qt, S->qf + t * q_width, q_width);                                                \
+        if (!invariant) widen_##SUFFIX(qt, S->qf + t * q_width, q_width); /* the decode kernel's q */    \
     }                                                                                                    \
-    if (invariant_attention_##SUFFIX(L, S, qkv, attn)) goto attended;                                    \
-    if (L->kv_kind == KV_MODEL)                                                                          \
-        paged_decode_##SUFFIX(S->qf, cache, L->page_stride, S->block_size, S->block_table, S->max_blocks, \
-                              S->seq_lens, (int)n, S->heads, S->kv_heads, (int)hd, L->scale, L->window,  \
-                              S->of, 0.0f, NULL, S->epochs);                                             \
-    else                                                                                                 \
-        decode_8bit(L, S, bytes);                                                                        \
-    if (L->kv_kind != KV_MODEL && L->v_scale != 1.0f) /* the module path's out.mul_(v_scale) */         \
-        for (int64_t j = 0; j < n * q_width; j++) S->of[j] *= L->v_scale;                                \
-    for (int64_t j = 0; j < n * q_width; j++) st_##SUFFIX(attn + j, S->of[j]);                           \
-attended:                                                                                                \
+    if (invariant) {                                                                                     \
+        invariant_attention_##SUFFIX(L, S, qkv, attn);                                                   \
+    } else {                                                                                             \
+        if (L->kv_kind == KV_MODEL)                                                                      \
+            paged_decode_##SUFFIX(S->qf, cache, L->page_stride, S->block_size, S->block_table,           \
+                                  S->max_blocks, S->seq_lens, (int)n, S->heads, S->kv_heads, (int)hd,    \
+                                  L->scale, L->window, S->of, 0.0f, NULL, S->epochs);                    \
+        else                                                                                             \
+            decode_8bit(L, S, bytes);                                                                    \
+        if (L->kv_kind != KV_MODEL && L->v_scale != 1.0f) /* the module path's out.mul_(v_scale) */     \
+            for (int64_t j = 0; j < n * q_width; j++) S->of[j] *= L->v_scale;                            \
+        for (int64_t j = 0; j < n * q_width; j++) st_##SUFFIX(attn + j, S->of[j]);                       \
+    }                                                                                                    \
     qgemm_##SUFFIX##_call(L->o, attn, n, q_width, h, hidden);                                            \
     rms_norm_##SUFFIX(h, residual, (const T *)L->ln2, h, residual, n, (int)hidden, L->eps);              \
     qgemm_##SUFFIX##_call(L->gate_up, h, n, hidden, gu, 2 * (int64_t)S->inter);                          \
