@@ -458,6 +458,10 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
     float s[SCORE_BUF] __attribute__((aligned(64)));                                              \
     uint16_t pb[SCORE_BUF] __attribute__((aligned(64)));                                          \
     const T *rows[MAX_CHUNK];                                                                     \
+    /* The first two tiles' keys, asked for while q is converted (the loop below asks two tiles     \
+     * ahead, so an item would otherwise start on keys still in memory). */                       \
+    PREFETCH(T, start + t0, start + t1, 0);                                                       \
+    PREFETCH(T, start + t0 + TILE, start + t1, 0);                                                \
     uint16_t *qb = (uint16_t *)qs;                                                                \
     for (int i = 0; i < heads * d; i++) {                                                         \
         if (Q_BF16) qb[i] = f32_to_bf16(q[i]); else qs[i] = q[i];                                 \

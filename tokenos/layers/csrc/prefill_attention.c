@@ -472,9 +472,11 @@ typedef struct {
 /* The online-softmax loop of an item over packed key tiles [tile0, tile1) (keys from kbase), for the
  * rows set up in w (bf16 queries, positions, m = -inf, l = 0); leaves unnormalized outputs in w->o.
  * stream: the tiles lie in memory, not in cache (a cached prefix's, see prefetch_slice), so the AMX
- * loop asks for them a block ahead; a prefill chunk's were just packed. */
+ * loop asks for them a block ahead, and during the last block for follow's (the first keys of the
+ * item the thread likely takes next; NULL: none); a prefill chunk's were just packed. */
 static void attend_rows(const uint32_t *kp, const uint32_t *vp, int kbase, int tile0, int tile1, int rows, int d,
-                        float scale, int window, float cap, pf_scratch *w, int amx, int stream) {
+                        float scale, int window, float cap, pf_scratch *w, int amx, int stream,
+                        const uint32_t *follow) {
     memset(w->o, 0, sizeof(float) * (size_t)rows * d);
     if (amx) {
         for (int b0 = tile0; b0 < tile1; b0 += PF_BT) {
@@ -488,8 +490,10 @@ static void attend_rows(const uint32_t *kp, const uint32_t *vp, int kbase, int t
                              (int64_t)nt * PF_KT * d * 2);
             softmax_step(w->s, PF_BS, w->pos, rows, kbase + b0 * PF_KT, nt * PF_KT, window, scale, cap, w->m,
                          w->l, w->alpha, w->p);
-            block_pv_amx(w->p, vp + (int64_t)b0 * (PF_KT / 2) * d, nt, w->alpha, rows, d, w->o, w->pv,
-                         stream && next > 0 ? (const char *)(kp + (int64_t)b1 * (d / 2) * PF_KT) : NULL, next_bytes);
+            const char *ahead = !stream ? NULL : next > 0 ? (const char *)(kp + (int64_t)b1 * (d / 2) * PF_KT)
+                                                            : (const char *)follow;
+            block_pv_amx(w->p, vp + (int64_t)b0 * (PF_KT / 2) * d, nt, w->alpha, rows, d, w->o, w->pv, ahead,
+                         next > 0 ? next_bytes : (int64_t)PF_BT * PF_KT * d * 2);
         }
         return;
     }
@@ -529,7 +533,7 @@ static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
     int lo_key = window > 0 ? first_pos - window + 1 : 0;
     if (lo_key < kbase) lo_key = kbase;
     attend_rows(kp, vp, kbase, (lo_key - kbase) / PF_BS * PF_BT, (last_pos - kbase) / PF_KT + 1, rows, d, scale,
-                window, cap, w, amx, 0);
+                window, cap, w, amx, 0, NULL);
     for (int r = 0; r < live; r++) {
         const int t = t0 + r / g, h = r % g;
         const float f = sinks ? sink_factor(w->m[r], w->l[r], sinks[kh * g + h])
@@ -763,6 +767,17 @@ void shared_prefix_pieces(int num_groups, const int *member0, const int *tokens,
     }
 }
 
+/* The first packed keys of shared-prefix item it (see below; NULL past the last item): what a thread
+ * asks for while it finishes the item before, so that no item starts on keys still in memory. */
+static const uint32_t *item_keys(const packed_kv *pk, const int64_t *item0, int num_kv_heads, const int *pieces,
+                                 int64_t it, int64_t items) {
+    if (it >= items) return NULL;
+    const int j = unit_of(item0, it);
+    const int64_t local = it - item0[j];
+    const int kh = (int)(local % num_kv_heads), piece = (int)(local / num_kv_heads % pieces[j]);
+    return pk->kp[j] + packed_base(pk, j, kh) + pk->ntiles[j] * piece / pieces[j] * (pk->tile_elems);
+}
+
 void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t page_stride, int block_size,
                                const int32_t *block_table, int max_blocks, int num_groups, const int *members,
                                const int *member0, const int *tokens, const int *pieces, const int *per,
@@ -806,6 +821,7 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
     _Pragma("omp parallel")
     {
         pf_scratch *w = scratch_begin(amx);
+        const int64_t nth = omp_get_num_threads(); /* items a thread takes are about nth apart */
         _Pragma("omp for schedule(dynamic, 1)")
         for (int64_t it = 0; it < items; it++) {
             const int j = unit_of(item0, it);
@@ -832,7 +848,8 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
             }
             const int64_t base = packed_base(&pk, j, kh), ntiles = pk.ntiles[j];
             attend_rows(pk.kp[j] + base, pk.vp[j] + base, 0, (int)(ntiles * piece / pieces[j]),
-                        (int)(ntiles * (piece + 1) / pieces[j]), rows, d, scale, 0, cap, w, amx, 1);
+                        (int)(ntiles * (piece + 1) / pieces[j]), rows, d, scale, 0, cap, w, amx, 1,
+                        item_keys(&pk, item0, num_kv_heads, pieces, it + nth, items));
             for (int r = 0; r < live; r++) {
                 const int64_t at = (int64_t)(slot[members[m0 + r / g]] + piece) * num_heads + kh * g + r % g;
                 pm[at] = w->m[r];
