@@ -22,13 +22,21 @@ typedef struct {
     uint8_t rows[16];
 } amx_tilecfg;
 
+/* ldtilecfg of cfg. GCC 12's _tile_loadconfig does not tell the optimizer that it reads *cfg, so where
+ * it is inlined the stores filling a local config can be dropped as dead, and ldtilecfg then faults on
+ * the stack garbage left in its reserved bytes; the empty asm takes cfg's address, so they stay. */
+static inline void amx_load_config(const amx_tilecfg *cfg) {
+    __asm__ __volatile__("" : : "r"(cfg) : "memory");
+    _tile_loadconfig(cfg);
+}
+
 /* Every kernel here uses all eight tiles as 16 rows of 64 bytes (16 x 16 fp32, or 16 x 32 bf16), so
  * one configuration serves them all; it is per thread, set inside each parallel region. */
 static inline void amx_configure(void) {
     amx_tilecfg cfg = {0};
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
+    amx_load_config(&cfg);
 }
 
 /* The few-row layout (qlinear.c's qgemv_amx): tiles 0-1 accumulate `rows` x 16 fp32, tile 4 holds
@@ -42,7 +50,7 @@ static inline void amx_configure_rows(int rows) {
         int t = used[i];
         cfg.rows[t] = t >= 6 ? 16 : rows, cfg.colsb[t] = 64;
     }
-    _tile_loadconfig(&cfg);
+    amx_load_config(&cfg);
 }
 #else
 #define AMX_AVAILABLE 0

@@ -706,8 +706,9 @@ static int num_splits(int n, int base_items, int threads) {
  * samples of one prompt): requests whose block tables begin with the same pages are a group, the
  * pages all of them have in common (whole pages, at least MIN_SHARED tokens, short of each
  * request's last token) its prefix. The prefix is attended once per group with every member's query
- * heads as rows of one tiled item (shared_prefix_decode_bf16, in csrc/prefill_attention.c), the rest of
- * each request by the items here, and the two merged as splits are. Groups come from the block
+ * heads as rows of one tiled item (shared_prefix_item, in csrc/prefill_attention.c), the rest of
+ * each request by the items here, in the same parallel loop (the shared prefixes' items first), and the
+ * two merged as splits are. Groups come from the block
  * tables alone, so any pages two requests share are read once, whoever wrote them. */
 #define MIN_SHARED 64
 static int cascade_enabled = 1;
@@ -772,16 +773,31 @@ static int find_shared(const int32_t *table, int max_blocks, const int32_t *seq_
 #ifdef __AVX512BF16__
 void shared_prefix_pieces(int num_groups, const int *member0, const int *tokens, int num_kv_heads, int g, int d,
                           int threads, int *pieces, int *per);
-void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t page_stride, int block_size,
-                               const int32_t *block_table, int max_blocks, int num_groups, const int *members,
-                               const int *member0, const int *tokens, const int *pieces, const int *per,
-                               const int *slot, int num_heads, int num_kv_heads, int d, float scale, float cap,
-                               float *pm, float *pl, float *po, const int64_t *epochs);
+/* A call's shared-prefix items (csrc/prefill_attention.c): begin (find or pack the prefixes), items
+ * run by any thread with its own scratch, end. */
+typedef struct shared_prefix_step shared_prefix_step;
+shared_prefix_step *shared_prefix_begin(const float *q, const uint16_t *cache, int64_t page_stride, int block_size,
+                                        const int32_t *block_table, int max_blocks, int num_groups,
+                                        const int *members, const int *member0, const int *tokens,
+                                        const int *pieces, const int *per, const int *slot, int num_heads,
+                                        int num_kv_heads, int d, float scale, float cap, float *pm, float *pl,
+                                        float *po, const int64_t *epochs);
+int64_t shared_prefix_items(const shared_prefix_step *st);
+void *shared_prefix_scratch(const shared_prefix_step *st);
+void shared_prefix_scratch_end(const shared_prefix_step *st, void *w);
+void shared_prefix_item(const shared_prefix_step *st, int64_t it, int64_t nth, void *scratch);
+void shared_prefix_end(shared_prefix_step *st);
 #define CASCADE_BF16 1
 #else
 #define CASCADE_BF16 0
+typedef struct shared_prefix_step shared_prefix_step;
 #define shared_prefix_pieces(groups, member0, tokens, kv_heads, g, d, threads, pieces, per) ((void)(per), abort())
-#define shared_prefix_decode_bf16(...) abort()
+#define shared_prefix_begin(...) (abort(), (shared_prefix_step *)NULL)
+#define shared_prefix_items(st) ((void)(st), (int64_t)0)
+#define shared_prefix_scratch(st) ((void)(st), (void *)NULL)
+#define shared_prefix_scratch_end(st, w) ((void)(st), (void)(w))
+#define shared_prefix_item(st, it, nth, w) ((void)(st), (void)(it), (void)(nth), (void)(w), abort())
+#define shared_prefix_end(st) ((void)(st), abort())
 #endif
 int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size); /* prefill_attention.c, every build */
 
@@ -835,8 +851,23 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     float *pm = merge ? (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads) : NULL; \
     float *pl = merge ? (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads) : NULL; \
     float *po = merge ? (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads * d) : NULL; \
-    _Pragma("omp parallel for schedule(dynamic, 1)")                                              \
-    for (int64_t it = 0; it < items; it++) {                                                      \
+    shared_prefix_step *sp = groups ? shared_prefix_begin(q, (const uint16_t *)cache, page_stride, block_size,   \
+                                                          block_table, max_blocks, groups, members, member0, \
+                                                          tokens, pieces, per, slot, num_heads, num_kv_heads, \
+                                                          d, scale, cap, pm, pl, po, epochs)              \
+                                    : NULL;                                                       \
+    const int64_t sp_items = sp ? shared_prefix_items(sp) : 0;                                    \
+    _Pragma("omp parallel")                                                                       \
+    {                                                                                             \
+    void *sp_w = sp ? shared_prefix_scratch(sp) : NULL;                                           \
+    const int64_t nth = omp_get_num_threads();                                                    \
+    _Pragma("omp for schedule(dynamic, 1)")                                                       \
+    for (int64_t at = 0; at < sp_items + items; at++) {                                           \
+        if (at < sp_items) {                                                                      \
+            shared_prefix_item(sp, at, nth, sp_w);                                                \
+            continue;                                                                             \
+        }                                                                                         \
+        const int64_t it = at - sp_items;                                                         \
         const int split_index = (int)(it / per_split);                                            \
         const int rest = (int)(it % per_split);                                                   \
         const int kh = rest / chunks, c = rest % chunks;                                          \
@@ -867,10 +898,9 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
                  start, t0, t1, kh, g, d, row, v_offset, scale, cap, io, im, il);                 \
         if (nsplit == 1) normalize(io, im, il, sinks ? sinks + h0 : NULL, whole ? num_heads : g, d); \
     }                                                                                             \
-    if (groups)                                                                                   \
-        shared_prefix_decode_bf16(q, (const uint16_t *)cache, page_stride, block_size, block_table, max_blocks, \
-                                  groups, members, member0, tokens, pieces, per, slot, num_heads, num_kv_heads, d, \
-                                  scale, cap, pm, pl, po, epochs);                                \
+    if (sp) shared_prefix_scratch_end(sp, sp_w);                                                  \
+    }                                                                                             \
+    if (sp) shared_prefix_end(sp);                                                                \
     if (total_splits == num_reqs) { free(first); return; }                                        \
     /* Merge each request's splits: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s; a sink joins \
      * the denominator as e^(sink - M), M raised to it if it is larger. */                        \

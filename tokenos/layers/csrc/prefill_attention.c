@@ -778,17 +778,38 @@ static const uint32_t *item_keys(const packed_kv *pk, const int64_t *item0, int 
     return pk->kp[j] + packed_base(pk, j, kh) + pk->ntiles[j] * piece / pieces[j] * (pk->tile_elems);
 }
 
-void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t page_stride, int block_size,
-                               const int32_t *block_table, int max_blocks, int num_groups, const int *members,
-                               const int *member0, const int *tokens, const int *pieces, const int *per,
-                               const int *slot, int num_heads, int num_kv_heads, int d, float scale, float cap,
-                               float *pm, float *pl, float *po, const int64_t *epochs) {
-    const int g = num_heads / num_kv_heads;
+/* One call's cascade work, from shared_prefix_begin to shared_prefix_end, so that its items can share
+ * one parallel loop with the decode kernel's own (csrc/paged_attention.c): while one thread waits on a
+ * prefix's packed keys, the other reads a request's pages. */
+typedef struct shared_prefix_step shared_prefix_step;
+struct shared_prefix_step {
+    const float *q;
+    int num_heads, num_kv_heads, d, g, amx, keep;
+    float scale, cap;
+    const int *members, *member0, *tokens, *pieces, *per, *slot;
+    float *pm, *pl, *po;
+    int64_t *item0, items;
+    const int32_t **blocks;
+    int *k0, *todo;
+    packed_kv pk;
+};
+
+shared_prefix_step *shared_prefix_begin(const float *q, const uint16_t *cache, int64_t page_stride, int block_size,
+                                        const int32_t *block_table, int max_blocks, int num_groups,
+                                        const int *members, const int *member0, const int *tokens,
+                                        const int *pieces, const int *per, const int *slot, int num_heads,
+                                        int num_kv_heads, int d, float scale, float cap, float *pm, float *pl,
+                                        float *po, const int64_t *epochs) {
+    shared_prefix_step *st = (shared_prefix_step *)malloc(sizeof(shared_prefix_step));
+    *st = (shared_prefix_step){.q = q, .num_heads = num_heads, .num_kv_heads = num_kv_heads, .d = d,
+                               .g = num_heads / num_kv_heads, .amx = prefill_amx(d), .scale = scale, .cap = cap,
+                               .members = members, .member0 = member0, .tokens = tokens, .pieces = pieces,
+                               .per = per, .slot = slot, .pm = pm, .pl = pl, .po = po};
     const int64_t row = (int64_t)num_kv_heads * d, v_offset = (int64_t)block_size * row;
-    int64_t *item0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_groups + 1));
-    const int32_t **blocks = (const int32_t **)malloc(sizeof(*blocks) * (size_t)num_groups);
-    int *k0 = (int *)calloc((size_t)num_groups, sizeof(int)); /* every group's keys from 0 */
-    int *todo = (int *)malloc(sizeof(int) * (size_t)num_groups), ntodo = 0;
+    int64_t *item0 = st->item0 = (int64_t *)malloc(sizeof(int64_t) * (size_t)(num_groups + 1));
+    const int32_t **blocks = st->blocks = (const int32_t **)malloc(sizeof(*blocks) * (size_t)num_groups);
+    int *k0 = st->k0 = (int *)calloc((size_t)num_groups, sizeof(int)); /* every group's keys from 0 */
+    int *todo = st->todo = (int *)malloc(sizeof(int) * (size_t)num_groups), ntodo = 0;
     /* Items of group j: (member chunk of per[j], piece, KV head), KV head fastest. */
     item0[0] = 0;
     for (int j = 0; j < num_groups; j++) {
@@ -796,72 +817,81 @@ void shared_prefix_decode_bf16(const float *q, const uint16_t *cache, int64_t pa
         const int64_t chunks = (member0[j + 1] - member0[j] + per[j] - 1) / per[j];
         item0[j + 1] = item0[j] + (int64_t)num_kv_heads * pieces[j] * chunks;
     }
-    packed_kv pk;
-    packed_init(&pk, num_groups, k0, tokens, num_kv_heads, d);
-    const int keep = prefix_cache_begin(epochs);
+    packed_kv *pk = &st->pk;
+    packed_init(pk, num_groups, k0, tokens, num_kv_heads, d);
+    st->keep = prefix_cache_begin(epochs);
     int *spare = (int *)malloc(sizeof(int) * (size_t)num_groups), nspare = 0; /* packed outside the cache */
     for (int j = 0; j < num_groups; j++) {
-        prefix_entry *e = keep ? prefix_entry_for(cache, page_stride, block_size, num_kv_heads, d, tokens[j],
-                                                  blocks[j], epochs, pk.tile_elems, &pk.from[j])
-                               : NULL;
+        prefix_entry *e = st->keep ? prefix_entry_for(cache, page_stride, block_size, num_kv_heads, d, tokens[j],
+                                                      blocks[j], epochs, pk->tile_elems, &pk->from[j])
+                                   : NULL;
         if (!e) {
             spare[nspare++] = todo[ntodo++] = j;
             continue;
         }
-        pk.kp[j] = e->kv;
-        pk.vp[j] = e->kv + prefix_entry_elems(e, pk.tile_elems);
-        pk.hstride[j] = e->cap_tiles;
-        if (pk.from[j] < pk.ntiles[j]) todo[ntodo++] = j;
+        pk->kp[j] = e->kv;
+        pk->vp[j] = e->kv + prefix_entry_elems(e, pk->tile_elems);
+        pk->hstride[j] = e->cap_tiles;
+        if (pk->from[j] < pk->ntiles[j]) todo[ntodo++] = j;
     }
-    packed_alloc(&pk, spare, nspare);
+    packed_alloc(pk, spare, nspare);
     free(spare);
-    pack_units(&pk, todo, ntodo, cache, NULL, page_stride, block_size, blocks, k0, tokens, row, v_offset, d);
-    const int64_t items = item0[num_groups];
-    const int amx = prefill_amx(d);
-    _Pragma("omp parallel")
-    {
-        pf_scratch *w = scratch_begin(amx);
-        const int64_t nth = omp_get_num_threads(); /* items a thread takes are about nth apart */
-        _Pragma("omp for schedule(dynamic, 1)")
-        for (int64_t it = 0; it < items; it++) {
-            const int j = unit_of(item0, it);
-            const int64_t local = it - item0[j];
-            const int kh = (int)(local % num_kv_heads);
-            const int piece = (int)(local / num_kv_heads % pieces[j]), chunk = (int)(local / num_kv_heads / pieces[j]);
-            const int m0 = member0[j] + chunk * per[j];
-            const int m1 = m0 + per[j] < member0[j + 1] ? m0 + per[j] : member0[j + 1];
-            const int live = (m1 - m0) * g, block = amx ? 16 : PF_RS;
-            const int rows = (live + block - 1) / block * block;
-            for (int r = 0; r < rows; r++) {
-                uint16_t *qr = (uint16_t *)(w->qb + (int64_t)r * (d / 2));
-                if (r < live) {
-                    const float *src = q + ((int64_t)members[m0 + r / g] * num_heads + kh * g + r % g) * d;
-                    for (int i = 0; i < d; i += 16) /* d is a multiple of 16; RNE, as f32_to_bf16 */
-                        _mm256_storeu_si256((__m256i *)(qr + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
-                    w->pos[r] = tokens[j] - 1; /* every prefix key visible, the padding past it not */
-                } else {
-                    memset(qr, 0, sizeof(uint16_t) * d);
-                    w->pos[r] = -1;
-                }
-                w->m[r] = -INFINITY;
-                w->l[r] = 0.f;
-            }
-            const int64_t base = packed_base(&pk, j, kh), ntiles = pk.ntiles[j];
-            attend_rows(pk.kp[j] + base, pk.vp[j] + base, 0, (int)(ntiles * piece / pieces[j]),
-                        (int)(ntiles * (piece + 1) / pieces[j]), rows, d, scale, 0, cap, w, amx, 1,
-                        item_keys(&pk, item0, num_kv_heads, pieces, it + nth, items));
-            for (int r = 0; r < live; r++) {
-                const int64_t at = (int64_t)(slot[members[m0 + r / g]] + piece) * num_heads + kh * g + r % g;
-                pm[at] = w->m[r];
-                pl[at] = w->l[r];
-                memcpy(po + at * d, w->o + (int64_t)r * d, sizeof(float) * (size_t)d);
-            }
+    pack_units(pk, todo, ntodo, cache, NULL, page_stride, block_size, blocks, k0, tokens, row, v_offset, d);
+    st->items = item0[num_groups];
+    return st;
+}
+
+int64_t shared_prefix_items(const shared_prefix_step *st) { return st->items; }
+
+/* A thread's scratch for shared_prefix_item, its AMX tiles configured where used. */
+void *shared_prefix_scratch(const shared_prefix_step *st) { return scratch_begin(st->amx); }
+void shared_prefix_scratch_end(const shared_prefix_step *st, void *w) { scratch_end((pf_scratch *)w, st->amx); }
+
+/* Item it; nth: about how many items on the thread's next one is (for item_keys). */
+void shared_prefix_item(const shared_prefix_step *st, int64_t it, int64_t nth, void *scratch) {
+    pf_scratch *w = (pf_scratch *)scratch;
+    const packed_kv *pk = &st->pk;
+    const int num_kv_heads = st->num_kv_heads, num_heads = st->num_heads, d = st->d, g = st->g;
+    const int *members = st->members, *member0 = st->member0, *per = st->per, *pieces = st->pieces;
+    const int j = unit_of(st->item0, it);
+    const int64_t local = it - st->item0[j];
+    const int kh = (int)(local % num_kv_heads);
+    const int piece = (int)(local / num_kv_heads % pieces[j]), chunk = (int)(local / num_kv_heads / pieces[j]);
+    const int m0 = member0[j] + chunk * per[j];
+    const int m1 = m0 + per[j] < member0[j + 1] ? m0 + per[j] : member0[j + 1];
+    const int live = (m1 - m0) * g, block = st->amx ? 16 : PF_RS;
+    const int rows = (live + block - 1) / block * block;
+    for (int r = 0; r < rows; r++) {
+        uint16_t *qr = (uint16_t *)(w->qb + (int64_t)r * (d / 2));
+        if (r < live) {
+            const float *src = st->q + ((int64_t)members[m0 + r / g] * num_heads + kh * g + r % g) * d;
+            for (int i = 0; i < d; i += 16) /* d is a multiple of 16; RNE, as f32_to_bf16 */
+                _mm256_storeu_si256((__m256i *)(qr + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+            w->pos[r] = st->tokens[j] - 1; /* every prefix key visible, the padding past it not */
+        } else {
+            memset(qr, 0, sizeof(uint16_t) * d);
+            w->pos[r] = -1;
         }
-        scratch_end(w, amx);
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.f;
     }
-    if (keep) prefix_cache_end();
-    packed_free(&pk);
-    free(item0); free(blocks); free(k0); free(todo);
+    const int64_t base = packed_base(pk, j, kh), ntiles = pk->ntiles[j];
+    attend_rows(pk->kp[j] + base, pk->vp[j] + base, 0, (int)(ntiles * piece / pieces[j]),
+                (int)(ntiles * (piece + 1) / pieces[j]), rows, d, st->scale, 0, st->cap, w, st->amx, 1,
+                item_keys(pk, st->item0, num_kv_heads, pieces, it + nth, st->items));
+    for (int r = 0; r < live; r++) {
+        const int64_t at = (int64_t)(st->slot[members[m0 + r / g]] + piece) * num_heads + kh * g + r % g;
+        st->pm[at] = w->m[r];
+        st->pl[at] = w->l[r];
+        memcpy(st->po + at * d, w->o + (int64_t)r * d, sizeof(float) * (size_t)d);
+    }
+}
+
+void shared_prefix_end(shared_prefix_step *st) {
+    if (st->keep) prefix_cache_end();
+    packed_free(&st->pk);
+    free(st->item0); free(st->blocks); free(st->k0); free(st->todo);
+    free(st);
 }
 
 #else
