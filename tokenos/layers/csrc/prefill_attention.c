@@ -607,6 +607,7 @@ static inline int64_t packed_base(const packed_kv *pk, int u, int kh) {
 }
 
 /* Pack units todo[0 .. n) into their buffers, every (tile, KV head) of them one parallel item. */
+#define PACK_PARALLEL_MIN 16
 static void pack_units(const packed_kv *pk, const int *todo, int n, const void *cache, const uint16_t *table,
                        int64_t page_stride, int block_size, const int32_t *const *blocks, const int *k0,
                        const int *k1, int64_t row, int64_t v_offset, int d) {
@@ -615,7 +616,9 @@ static void pack_units(const packed_kv *pk, const int *todo, int n, const void *
     first[0] = 0;
     for (int i = 0; i < n; i++) first[i + 1] = first[i] + pk->ntiles[todo[i]] - pk->from[todo[i]];
     const int64_t pack_items = first[n] * num_kv_heads;
-    _Pragma("omp parallel for schedule(static)")
+    /* A decode group's cached prefix mostly grows by a tile or none a step: waking the threads would
+     * cost more than packing it. */
+    _Pragma("omp parallel for schedule(static) if (pack_items >= PACK_PARALLEL_MIN)")
     for (int64_t it = 0; it < pack_items; it++) {
         const int64_t gt = it / num_kv_heads;
         const int kh = (int)(it % num_kv_heads);
