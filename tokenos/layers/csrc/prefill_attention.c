@@ -770,15 +770,31 @@ void shared_prefix_pieces(int num_groups, const int *member0, const int *tokens,
     }
 }
 
-/* The first packed keys of shared-prefix item it (see below; NULL past the last item): what a thread
- * asks for while it finishes the item before, so that no item starts on keys still in memory. */
+/* Item it of a call's shared-prefix items: group j, KV head kh, piece of its keys, chunk of its members
+ * (items of group j from item0[j]: (member chunk, piece, KV head), KV head fastest). */
+typedef struct {
+    int j, kh, piece, chunk;
+} prefix_item;
+
+static prefix_item prefix_item_at(const int64_t *item0, int num_kv_heads, const int *pieces, int64_t it) {
+    const int j = unit_of(item0, it);
+    const int64_t local = it - item0[j];
+    return (prefix_item){j, (int)(local % num_kv_heads), (int)(local / num_kv_heads % pieces[j]),
+                         (int)(local / num_kv_heads / pieces[j])};
+}
+
+/* The first packed tile of item x's piece of its group's keys. */
+static inline int64_t piece_tile0(const packed_kv *pk, const int *pieces, prefix_item x) {
+    return pk->ntiles[x.j] * x.piece / pieces[x.j];
+}
+
+/* The first packed keys of shared-prefix item it (NULL past the last item): what a thread asks for
+ * while it finishes the item before, so that no item starts on keys still in memory. */
 static const uint32_t *item_keys(const packed_kv *pk, const int64_t *item0, int num_kv_heads, const int *pieces,
                                  int64_t it, int64_t items) {
     if (it >= items) return NULL;
-    const int j = unit_of(item0, it);
-    const int64_t local = it - item0[j];
-    const int kh = (int)(local % num_kv_heads), piece = (int)(local / num_kv_heads % pieces[j]);
-    return pk->kp[j] + packed_base(pk, j, kh) + pk->ntiles[j] * piece / pieces[j] * (pk->tile_elems);
+    const prefix_item x = prefix_item_at(item0, num_kv_heads, pieces, it);
+    return pk->kp[x.j] + packed_base(pk, x.j, x.kh) + piece_tile0(pk, pieces, x) * pk->tile_elems;
 }
 
 /* One call's cascade work, from shared_prefix_begin to shared_prefix_end, so that its items can share
@@ -813,7 +829,7 @@ shared_prefix_step *shared_prefix_begin(const float *q, const uint16_t *cache, i
     const int32_t **blocks = st->blocks = (const int32_t **)malloc(sizeof(*blocks) * (size_t)num_groups);
     int *k0 = st->k0 = (int *)calloc((size_t)num_groups, sizeof(int)); /* every group's keys from 0 */
     int *todo = st->todo = (int *)malloc(sizeof(int) * (size_t)num_groups), ntodo = 0;
-    /* Items of group j: (member chunk of per[j], piece, KV head), KV head fastest. */
+    /* Items of group j: (member chunk of per[j], piece, KV head), KV head fastest (prefix_item_at). */
     item0[0] = 0;
     for (int j = 0; j < num_groups; j++) {
         blocks[j] = block_table + (int64_t)members[member0[j]] * max_blocks;
@@ -856,11 +872,9 @@ void shared_prefix_item(const shared_prefix_step *st, int64_t it, int64_t nth, v
     const packed_kv *pk = &st->pk;
     const int num_kv_heads = st->num_kv_heads, num_heads = st->num_heads, d = st->d, g = st->g;
     const int *members = st->members, *member0 = st->member0, *per = st->per, *pieces = st->pieces;
-    const int j = unit_of(st->item0, it);
-    const int64_t local = it - st->item0[j];
-    const int kh = (int)(local % num_kv_heads);
-    const int piece = (int)(local / num_kv_heads % pieces[j]), chunk = (int)(local / num_kv_heads / pieces[j]);
-    const int m0 = member0[j] + chunk * per[j];
+    const prefix_item x = prefix_item_at(st->item0, num_kv_heads, pieces, it);
+    const int j = x.j, kh = x.kh, piece = x.piece;
+    const int m0 = member0[j] + x.chunk * per[j];
     const int m1 = m0 + per[j] < member0[j + 1] ? m0 + per[j] : member0[j + 1];
     const int live = (m1 - m0) * g, block = st->amx ? 16 : PF_RS;
     const int rows = (live + block - 1) / block * block;
@@ -879,7 +893,7 @@ void shared_prefix_item(const shared_prefix_step *st, int64_t it, int64_t nth, v
         w->l[r] = 0.f;
     }
     const int64_t base = packed_base(pk, j, kh), ntiles = pk->ntiles[j];
-    attend_rows(pk->kp[j] + base, pk->vp[j] + base, 0, (int)(ntiles * piece / pieces[j]),
+    attend_rows(pk->kp[j] + base, pk->vp[j] + base, 0, (int)piece_tile0(pk, pieces, x),
                 (int)(ntiles * (piece + 1) / pieces[j]), rows, d, st->scale, 0, st->cap, w, st->amx, 1,
                 item_keys(pk, st->item0, num_kv_heads, pieces, it + nth, st->items));
     for (int r = 0; r < live; r++) {
