@@ -20,6 +20,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -248,20 +249,23 @@ def qdequant_kernel():
     return lib.qdequant_f32_desc if lib is not None and lib.qlinear_available() & 1 else None
 
 
+def _library_call(name: str, *args: int) -> Any:
+    """``lib.name(*args)`` where the library is loaded, else None: the process switches below."""
+    lib = load()
+    return None if lib is None else getattr(lib, name)(*args)
+
+
 def uses_amx() -> bool:
     """Whether the kernels multiply on AMX tiles where they have a tile path (csrc/qlinear.c's exact
     few-row path, 2 to 16 rows, and panel path, more, for bf16 quantized linears;
     csrc/prefill_attention.c's two products): an AMX-BF16 CPU, a kernel built for it, the kernel
     allowed to use it by the OS, and not ``TOKENOS_DISABLE_AMX=1``."""
-    lib = load()
-    return bool(lib is not None and lib.kernels_amx_ready())
+    return bool(_library_call("kernels_amx_ready"))
 
 
 def set_amx(on: bool) -> None:
     """Allow or forbid the AMX tile paths for this process (the tests compare them with the AVX-512 ones)."""
-    lib = load()
-    if lib is not None:
-        lib.kernels_set_amx(int(on))
+    _library_call("kernels_set_amx", int(on))
 
 
 def batch_invariant() -> bool:
@@ -269,23 +273,18 @@ def batch_invariant() -> bool:
     a quantized linear's row, and a decode's attention, come out the same bits whatever else shares the
     call (see csrc/qlinear.c and csrc/paged_attention.c), at some cost in speed; greedy speculative
     decoding then gives the tokens plain decoding gives."""
-    lib = load()
-    return bool(lib is not None and lib.kernels_batch_invariant())
+    return bool(_library_call("kernels_batch_invariant"))
 
 
 def set_batch_invariant(on: bool) -> None:
     """Turn batch invariance on or off for this process (see `batch_invariant`)."""
-    lib = load()
-    if lib is not None:
-        lib.kernels_set_batch_invariant(int(on))
+    _library_call("kernels_set_batch_invariant", int(on))
 
 
 def set_cascade(on: bool) -> None:
     """Allow or forbid cascade attention for decodes sharing cached pages (csrc/paged_attention.c's
     find_shared) in this process; ``TOKENOS_DISABLE_CASCADE_ATTN=1`` starts with it off."""
-    lib = load()
-    if lib is not None:
-        lib.paged_decode_set_cascade(int(on))
+    _library_call("paged_decode_set_cascade", int(on))
 
 
 def cascade_cache_stats() -> dict[str, int]:
@@ -301,17 +300,13 @@ def cascade_cache_stats() -> dict[str, int]:
 
 def clear_cascade_cache() -> None:
     """Free every packed prefix (an engine's shutdown; tests)."""
-    lib = load()
-    if lib is not None:
-        lib.cascade_cache_clear()
+    _library_call("cascade_cache_clear")
 
 
 def set_cascade_cache_limit(mib: int | None) -> None:
     """Bound the packed-prefix cache to ``mib`` MiB (0: keep nothing; None: ``TOKENOS_CASCADE_CACHE_MB``,
     default 256), dropping entries past it now."""
-    lib = load()
-    if lib is not None:
-        lib.cascade_cache_set_limit(-1 if mib is None else mib << 20)
+    _library_call("cascade_cache_set_limit", -1 if mib is None else mib << 20)
 
 
 def uses_cascade() -> bool:
