@@ -8,6 +8,15 @@
 #define PREFIX_STALE_CALLS 4096
 
 static prefix_entry **pc_entries; /* each entry its own allocation: dropping one moves no other */
+/* Each entry's first page as it was packed, side by side with pc_entries: a lookup reads these
+ * contiguous keys and touches only the entries that may match (a scan of 240 entries' own structs,
+ * the leftovers of earlier requests, cost 3.7 us a speculative verify call in cache misses). */
+typedef struct {
+    const void *cache;
+    int64_t epoch0;
+    int32_t page0;
+} prefix_key;
+static prefix_key *pc_keys;
 static int pc_count, pc_cap;
 static int64_t pc_bytes, pc_limit = -1, pc_hits, pc_misses, pc_grown;
 static uint64_t pc_clock;
@@ -41,6 +50,7 @@ static void prefix_drop(int i) {
     free(e->epochs);
     free(e);
     pc_entries[i] = pc_entries[--pc_count];
+    pc_keys[i] = pc_keys[pc_count];
 }
 
 /* Room for `bytes` more: stale entries go, then the least recently used ones not in use this call. */
@@ -97,7 +107,9 @@ static prefix_entry *prefix_new(const void *cache, int64_t page_stride, int bloc
     if (pc_count == pc_cap) {
         pc_cap = pc_cap ? 2 * pc_cap : 64;
         pc_entries = (prefix_entry **)realloc(pc_entries, sizeof(prefix_entry *) * (size_t)pc_cap);
+        pc_keys = (prefix_key *)realloc(pc_keys, sizeof(prefix_key) * (size_t)pc_cap);
     }
+    pc_keys[pc_count] = (prefix_key){cache, -1, -1}; /* set once its pages are (prefix_entry_for) */
     pc_entries[pc_count++] = e;
     return e;
 }
@@ -107,7 +119,11 @@ prefix_entry *prefix_entry_for(const void *cache, int64_t page_stride, int block
                                       int64_t tile_elems, int64_t *from) {
     const int64_t tiles = (tokens + PREFIX_TILE_KEYS - 1) / PREFIX_TILE_KEYS;
     prefix_entry *best = NULL;
+    const int32_t page0 = pages[0];
+    const int64_t epoch0 = epochs[page0];
     for (int i = 0; i < pc_count; i++) {
+        const prefix_key *key = &pc_keys[i];
+        if (key->cache != cache || key->page0 != page0 || key->epoch0 != epoch0) continue;
         prefix_entry *e = pc_entries[i];
         if (e->used == pc_clock || !prefix_matches(e, cache, page_stride, block_size, num_kv_heads, d, tokens, pages,
                                                    epochs))
@@ -129,6 +145,7 @@ prefix_entry *prefix_entry_for(const void *cache, int64_t page_stride, int block
     } else {
         best = prefix_new(cache, page_stride, block_size, num_kv_heads, d, tiles, tile_elems);
         if (!best) return NULL;
+        pc_keys[pc_count - 1] = (prefix_key){cache, epoch0, page0};
         *from = 0;
         pc_misses++;
     }
