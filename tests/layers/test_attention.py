@@ -381,6 +381,46 @@ def test_c_kernel_cascade_keeps_packed_prefixes_while_their_pages_keep_their_epo
         cpu_kernels.clear_cascade_cache()
 
 
+def test_c_kernel_cascade_drops_entries_whose_first_page_moved():
+    """Requests one at a time (a speculative verify's rows are a group) leave their entries behind: once
+    an entry's first page is handed out again (a new epoch), the next lookup over that cache drops it
+    rather than keeping its memory until it turns stale; another cache's entries stay."""
+    from tokenos.layers import cpu_kernels
+    from tokenos.worker.kv_cache import PageEpochs
+
+    if cpu_kernels.load() is None or not cpu_kernels.uses_cascade():
+        pytest.skip("cascade attention needs the AVX512-BF16 kernels")
+    torch.manual_seed(13)
+    block_size, heads, kv_heads, d, rows, pages = 16, 8, 2, 64, 5, 20
+    caches = [torch.randn(2 * pages + 1, 2, block_size, kv_heads, d).to(torch.bfloat16) for _ in range(2)]
+    q = torch.randn(rows, heads, d)
+    seq = torch.arange(200, 200 + rows, dtype=torch.int32)
+    epochs = PageEpochs(2 * pages + 1)
+
+    def decode(cache: torch.Tensor, first_page: int) -> torch.Tensor:
+        table = torch.arange(first_page, first_page + pages, dtype=torch.int32).repeat(rows, 1).contiguous()
+        got = cpu_kernels.paged_decode(q, cache, table, seq, d**-0.5, None, page_epochs=epochs.epochs)
+        torch.testing.assert_close(
+            got, cpu_kernels.paged_decode(q, cache, table, seq, d**-0.5, None), atol=0, rtol=0
+        )
+        return got
+
+    cpu_kernels.set_cascade_cache_limit(None)
+    cpu_kernels.clear_cascade_cache()
+    try:
+        decode(caches[0], 1)
+        decode(caches[1], 1)
+        assert cpu_kernels.cascade_cache_stats()["entries"] == 2
+        epochs.bump([1])  # page 1 goes to a new request
+        decode(caches[0], pages + 1)  # the next request's own pages, over cache 0
+        stats = cpu_kernels.cascade_cache_stats()
+        assert (stats["entries"], stats["misses"]) == (2, 3)  # cache 0's old entry went; cache 1's stays
+        decode(caches[1], pages + 1)
+        assert cpu_kernels.cascade_cache_stats()["entries"] == 2
+    finally:
+        cpu_kernels.clear_cascade_cache()
+
+
 def test_c_kernel_cascade_grows_a_packed_prefix_in_place():
     """A speculative verify's rows of one request are a group whose shared pages grow a page at a time:
     the entry packs only the new tiles (from its whole ones), and a shorter group later is served by the
