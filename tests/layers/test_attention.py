@@ -382,9 +382,10 @@ def test_c_kernel_cascade_keeps_packed_prefixes_while_their_pages_keep_their_epo
 
 
 def test_c_kernel_cascade_drops_entries_whose_first_page_moved():
-    """Requests one at a time (a speculative verify's rows are a group) leave their entries behind: once
-    an entry's first page is handed out again (a new epoch), the next lookup over that cache drops it
-    rather than keeping its memory until it turns stale; another cache's entries stay."""
+    """Requests one at a time (a speculative verify's rows are a group) leave their entries behind: when
+    the next request starts on the same first page (a cached prompt prefix) handed out again with a new
+    epoch, the old entry can never match and goes at that lookup, rather than keeping its memory until
+    it turns stale; another cache's entries wait for a lookup over theirs."""
     from tokenos.layers import cpu_kernels
     from tokenos.worker.kv_cache import PageEpochs
 
@@ -396,26 +397,27 @@ def test_c_kernel_cascade_drops_entries_whose_first_page_moved():
     q = torch.randn(rows, heads, d)
     seq = torch.arange(200, 200 + rows, dtype=torch.int32)
     epochs = PageEpochs(2 * pages + 1)
+    first = list(range(1, pages + 1))
+    second = [1, *range(pages + 1, 2 * pages)]  # page 1 again, then pages of its own
 
-    def decode(cache: torch.Tensor, first_page: int) -> torch.Tensor:
-        table = torch.arange(first_page, first_page + pages, dtype=torch.int32).repeat(rows, 1).contiguous()
+    def decode(cache: torch.Tensor, blocks: list[int]) -> None:
+        table = torch.tensor([blocks] * rows, dtype=torch.int32)
         got = cpu_kernels.paged_decode(q, cache, table, seq, d**-0.5, None, page_epochs=epochs.epochs)
         torch.testing.assert_close(
             got, cpu_kernels.paged_decode(q, cache, table, seq, d**-0.5, None), atol=0, rtol=0
         )
-        return got
 
     cpu_kernels.set_cascade_cache_limit(None)
     cpu_kernels.clear_cascade_cache()
     try:
-        decode(caches[0], 1)
-        decode(caches[1], 1)
+        decode(caches[0], first)
+        decode(caches[1], first)
         assert cpu_kernels.cascade_cache_stats()["entries"] == 2
-        epochs.bump([1])  # page 1 goes to a new request
-        decode(caches[0], pages + 1)  # the next request's own pages, over cache 0
+        epochs.bump(second)  # the next request's pages, page 1 among them
+        decode(caches[0], second)
         stats = cpu_kernels.cascade_cache_stats()
         assert (stats["entries"], stats["misses"]) == (2, 3)  # cache 0's old entry went; cache 1's stays
-        decode(caches[1], pages + 1)
+        decode(caches[1], second)
         assert cpu_kernels.cascade_cache_stats()["entries"] == 2
     finally:
         cpu_kernels.clear_cascade_cache()

@@ -123,14 +123,15 @@ prefix_entry *prefix_entry_for(const void *cache, int64_t page_stride, int block
     const int64_t epoch0 = epochs[page0];
     for (int i = 0; i < pc_count; i++) {
         const prefix_key *key = &pc_keys[i];
-        if (key->cache != cache) continue;
-        if (key->epoch0 != epochs[key->page0] && key->epoch0 >= 0 && pc_entries[i]->used != pc_clock) {
-            /* Its first page has been handed to a request since (epochs never repeat): it can never
-             * match again, so it goes now rather than when it turns stale. */
-            prefix_drop(i--);
+        if (key->cache != cache || key->page0 != page0) continue;
+        if (key->epoch0 != epoch0) {
+            /* Its first page, this group's, has been handed to a request since (epochs never repeat):
+             * it can never match again, so it goes now rather than when it turns stale. Only entries
+             * of this group's first page are judged: another page's epoch may lie past the end of this
+             * call's epochs, where a freed pool's address came back with fewer pages. */
+            if (key->epoch0 >= 0 && pc_entries[i]->used != pc_clock) prefix_drop(i--);
             continue;
         }
-        if (key->page0 != page0 || key->epoch0 != epoch0) continue;
         prefix_entry *e = pc_entries[i];
         if (e->used == pc_clock || !prefix_matches(e, cache, page_stride, block_size, num_kv_heads, d, tokens, pages,
                                                    epochs))
