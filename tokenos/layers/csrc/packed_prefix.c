@@ -95,9 +95,9 @@ static int prefix_reserve(prefix_entry *e, int64_t tiles, int64_t tile_elems, in
     return 1;
 }
 
-/* A new, empty entry (NULL: no room for it). */
+/* A new, empty entry for a group starting on page0 at epoch0 (NULL: no room for it). */
 static prefix_entry *prefix_new(const void *cache, int64_t page_stride, int block_size, int num_kv_heads, int d,
-                                int64_t tiles, int64_t tile_elems) {
+                                int64_t tiles, int64_t tile_elems, int32_t page0, int64_t epoch0) {
     prefix_entry *e = (prefix_entry *)malloc(sizeof(prefix_entry));
     *e = (prefix_entry){cache, page_stride, block_size, num_kv_heads, d, 0, 0, 0, 0, NULL, NULL, NULL, 0, pc_clock};
     if (!prefix_reserve(e, tiles, tile_elems, 0)) {
@@ -109,7 +109,7 @@ static prefix_entry *prefix_new(const void *cache, int64_t page_stride, int bloc
         pc_entries = (prefix_entry **)realloc(pc_entries, sizeof(prefix_entry *) * (size_t)pc_cap);
         pc_keys = (prefix_key *)realloc(pc_keys, sizeof(prefix_key) * (size_t)pc_cap);
     }
-    pc_keys[pc_count] = (prefix_key){cache, -1, -1}; /* set once its pages are (prefix_entry_for) */
+    pc_keys[pc_count] = (prefix_key){cache, epoch0, page0};
     pc_entries[pc_count++] = e;
     return e;
 }
@@ -129,7 +129,7 @@ prefix_entry *prefix_entry_for(const void *cache, int64_t page_stride, int block
              * it can never match again, so it goes now rather than when it turns stale. Only entries
              * of this group's first page are judged: another page's epoch may lie past the end of this
              * call's epochs, where a freed pool's address came back with fewer pages. */
-            if (key->epoch0 >= 0 && pc_entries[i]->used != pc_clock) prefix_drop(i--);
+            if (pc_entries[i]->used != pc_clock) prefix_drop(i--);
             continue;
         }
         prefix_entry *e = pc_entries[i];
@@ -151,9 +151,8 @@ prefix_entry *prefix_entry_for(const void *cache, int64_t page_stride, int block
         *from = best->tokens / PREFIX_TILE_KEYS;
         pc_grown++;
     } else {
-        best = prefix_new(cache, page_stride, block_size, num_kv_heads, d, tiles, tile_elems);
+        best = prefix_new(cache, page_stride, block_size, num_kv_heads, d, tiles, tile_elems, page0, epoch0);
         if (!best) return NULL;
-        pc_keys[pc_count - 1] = (prefix_key){cache, epoch0, page0};
         *from = 0;
         pc_misses++;
     }

@@ -9,8 +9,8 @@
  * Entries are bounded by TOKENOS_CASCADE_CACHE_MB (default 256; 0: off): whenever room is made, those
  * unused for PREFIX_STALE_CALLS calls go first, then the least recently used. An entry whose first page
  * has moved to a newer epoch can never match again and goes at the next lookup of a group starting on
- * that page. One lock: calls come
- * from one engine thread, but ctypes lets Python threads call in at once.
+ * that page. One lock: calls come from one engine thread, but ctypes lets Python threads call in at
+ * once.
  *
  * The kernel brackets its lookups with prefix_cache_begin / prefix_cache_end and packs into the
  * entries it is given: each KV head's tiles at cap_tiles apart, K then V. */

@@ -902,21 +902,21 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     /* Merge each request's splits: out = sum_s e^(m_s - M) o_s / sum_s e^(m_s - M) l_s; a sink joins \
      * the denominator as e^(sink - M), M raised to it if it is larger. In the items' parallel region \
      * (after their barrier): a region of its own cost about 1 us a call, 5% of a lone request's. */ \
-    if (total_splits > num_reqs) {                                                                \
+    if (merge) {                                                                                  \
     _Pragma("omp for schedule(static)")                                                           \
     for (int r = 0; r < num_reqs; r++) {                                                          \
         for (int h = 0; h < num_heads && first[r + 1] - first[r] > 1; h++) {                      \
             float M = -INFINITY;                                                                  \
-            for (int sp = first[r]; sp < first[r + 1]; sp++)                                      \
-                if (pm[(int64_t)sp * num_heads + h] > M) M = pm[(int64_t)sp * num_heads + h];     \
+            for (int s = first[r]; s < first[r + 1]; s++)                                         \
+                if (pm[(int64_t)s * num_heads + h] > M) M = pm[(int64_t)s * num_heads + h];       \
             const float sink = sinks ? sinks[h] : -INFINITY;                                      \
             const float M0 = M; /* the splits' own max: none saw anything when it is -inf */      \
             if (sink > M) M = sink;                                                               \
             float *restrict oh = out + ((int64_t)r * num_heads + h) * d;                          \
             memset(oh, 0, sizeof(float) * (size_t)d);                                             \
             float L = 0.f;                                                                        \
-            for (int sp = first[r]; sp < first[r + 1]; sp++) {                                    \
-                const int64_t slot = (int64_t)sp * num_heads + h;                                 \
+            for (int s = first[r]; s < first[r + 1]; s++) {                                       \
+                const int64_t slot = (int64_t)s * num_heads + h;                                  \
                 float w = pm[slot] - M;                                                           \
                 exp_tile(&w, 1);                                                                  \
                 L += w * pl[slot];                                                                \
