@@ -248,6 +248,14 @@ static inline __m512 exp_softmax16(__m512 x) {
     return _mm512_maskz_scalef_ps(keep, p, fn);
 }
 
+/* 2^t for t <= 0 (up to rounding), for a row that sees every key: nothing is masked, so a tiny
+ * result need not be 0; t is held at -126 as above, so no lane goes subnormal (2^-126 at the least). */
+static inline __m512 exp2_softmax16(__m512 t) {
+    t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
+    const __m512 fn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm512_scalef_ps(exp2_poly16(_mm512_sub_ps(t, fn)), fn);
+}
+
 /* Lanes [base, base + 16) of the keys [lo, hi] of a step. */
 static inline __mmask16 span16(int lo, int hi, int base) {
     int a = lo - base, b = hi - base;
@@ -275,7 +283,7 @@ static void softmax_step(float *restrict s, int ss, const int *restrict row_pos,
         const int nr = rows - r0 < 16 ? rows - r0 : 16;
         const __mmask16 lanes = (__mmask16)((1u << nr) - 1);
         __m512 mx[16], sums[16];
-        __mmask16 live = 0;
+        __mmask16 live = 0, whole = 0;
         for (int i = 0; i < 16; i++) {
             mx[i] = neg;
             if (i >= nr) continue;
@@ -286,6 +294,13 @@ static void softmax_step(float *restrict s, int ss, const int *restrict row_pos,
             if (pos < 0 || hi < lo) continue;
             live |= (__mmask16)(1u << i);
             float *sr = s + (int64_t)(r0 + i) * ss;
+            if (lo == 0 && hi == nkeys - 1 && cap == 0.f) {
+                /* every key visible, no cap: the scores stay as they are, their maximum is taken
+                 * unscaled (scaling is monotonic), and the exponent folds the scale in below */
+                whole |= (__mmask16)(1u << i);
+                for (int v = 0; v < nkeys; v += 16) mx[i] = _mm512_max_ps(mx[i], _mm512_loadu_ps(sr + v));
+                continue;
+            }
             for (int v = 0; v < nkeys; v += 16) {
                 __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sr + v), sc);
                 if (cap > 0.f) x = softcap16(x, capv, inv_cap);
@@ -295,7 +310,8 @@ static void softmax_step(float *restrict s, int ss, const int *restrict row_pos,
             }
         }
         const __m512 m_old = _mm512_maskz_loadu_ps(lanes, m + r0);
-        const __m512 m_new = _mm512_mask_max_ps(m_old, live, m_old, max16(mx));
+        const __m512 m_red = max16(mx);
+        const __m512 m_new = _mm512_mask_max_ps(m_old, live, m_old, _mm512_mask_mul_ps(m_red, whole, m_red, sc));
         /* exp(-inf) = 0 for a row's first visible keys; rows seeing nothing keep everything (alpha 1). */
         const __m512 a = _mm512_mask_mov_ps(_mm512_set1_ps(1.f), live, exp16(_mm512_sub_ps(m_old, m_new)));
         float mn[16] __attribute__((aligned(64)));
@@ -310,6 +326,17 @@ static void softmax_step(float *restrict s, int ss, const int *restrict row_pos,
             }
             const __m512 mv = _mm512_set1_ps(mn[i]);
             const float *sr = s + (int64_t)(r0 + i) * ss;
+            if ((whole >> i) & 1) { /* exp(s * scale - m) as 2^(s * scale * log2(e) - m * log2(e)) */
+                const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);
+                const __m512 mc = _mm512_set1_ps(-mn[i] * 1.44269504088896341f);
+                for (int v = 0; v < nkeys; v += 32) {
+                    const __m512 e0 = exp2_softmax16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + v), c, mc));
+                    const __m512 e1 = exp2_softmax16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + v + 16), c, mc));
+                    sums[i] = _mm512_add_ps(sums[i], _mm512_add_ps(e0, e1));
+                    _mm512_storeu_si512(pr + v / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+                }
+                continue;
+            }
             for (int v = 0; v < nkeys; v += 32) { /* masked keys are -inf: exactly 0 */
                 const __m512 e0 = exp_softmax16(_mm512_sub_ps(_mm512_loadu_ps(sr + v), mv));
                 const __m512 e1 = exp_softmax16(_mm512_sub_ps(_mm512_loadu_ps(sr + v + 16), mv));
