@@ -234,26 +234,41 @@ static void tile_scores(const uint32_t *restrict qb, const uint32_t *restrict kt
     }
 }
 
-/* exp16 (exp(x), 0 below -87, so 0 for a masked key's -inf) in 12 operations instead of 17: vexp's
- * polynomial with the exponent applied by a zero-masked vscalefps. The argument is held at -126 so
- * that no lane ever computes a subnormal or an underflow, even one masked away afterwards: each such
- * lane costs a microcode assist on these CPUs (letting them through made prefill attention 1.35x
- * slower). */
-static inline __m512 exp_softmax16(__m512 x) {
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
-    const __m512 t = _mm512_max_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(-126.f));
-    const __m512 fn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    /* fn = -126 only with f >= 0: 2^f >= 1 keeps the result normal */
-    const __m512 p = exp2_poly16(_mm512_sub_ps(t, fn));
-    return _mm512_maskz_scalef_ps(keep, p, fn);
-}
+#define LOG2E 1.44269504088896341f
 
-/* 2^t for t <= 0 (up to rounding), for a row that sees every key: nothing is masked, so a tiny
- * result need not be 0; t is held at -126 as above, so no lane goes subnormal (2^-126 at the least). */
-static inline __m512 exp2_softmax16(__m512 t) {
+/* 2^t on the lanes of keep, 0 on the others: vexp's polynomial with the exponent applied by a
+ * zero-masked vscalefps. t is held at -126 so that no lane ever computes a subnormal or an underflow,
+ * even one masked away afterwards: each such lane costs a microcode assist on these CPUs (letting them
+ * through made prefill attention 1.35x slower). fn = -126 only with f >= 0: 2^f >= 1 keeps the result
+ * normal (2^-126 at the least). */
+static inline __m512 exp2_held16(__m512 t, __mmask16 keep) {
     t = _mm512_max_ps(t, _mm512_set1_ps(-126.f));
     const __m512 fn = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm512_scalef_ps(exp2_poly16(_mm512_sub_ps(t, fn)), fn);
+    return _mm512_maskz_scalef_ps(keep, exp2_poly16(_mm512_sub_ps(t, fn)), fn);
+}
+
+/* exp16 (exp(x), 0 below -87, so 0 for a masked key's -inf) in 12 operations instead of 17. */
+static inline __m512 exp_softmax16(__m512 x) {
+    const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_GE_OQ);
+    return exp2_held16(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), keep);
+}
+
+/* One row's step of softmax_step: p = exp(x - m) over its nkeys scores as bf16 pairs, and their sum (16
+ * lanes). whole (a constant in each call, so each gets its own loop): the row sees every key and its
+ * scores are raw, exp(s * scale - m) = 2^(s * scale * log2(e) - m * log2(e)) with c = scale * log2(e);
+ * else they are scaled and masked, a masked key's -inf giving exactly 0. */
+static inline __attribute__((always_inline)) __m512 row_exps(const float *restrict sr, int nkeys, float m, __m512 c,
+                                                             int whole, uint32_t *restrict pr) {
+    const __m512 mv = _mm512_set1_ps(m), mc = _mm512_set1_ps(-m * LOG2E);
+    __m512 sum = _mm512_setzero_ps();
+    for (int v = 0; v < nkeys; v += 32) {
+        const __m512 s0 = _mm512_loadu_ps(sr + v), s1 = _mm512_loadu_ps(sr + v + 16);
+        const __m512 e0 = whole ? exp2_held16(_mm512_fmadd_ps(s0, c, mc), 0xFFFF) : exp_softmax16(_mm512_sub_ps(s0, mv));
+        const __m512 e1 = whole ? exp2_held16(_mm512_fmadd_ps(s1, c, mc), 0xFFFF) : exp_softmax16(_mm512_sub_ps(s1, mv));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
+        _mm512_storeu_si512(pr + v / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+    }
+    return sum;
 }
 
 /* Lanes [base, base + 16) of the keys [lo, hi] of a step. */
@@ -277,7 +292,7 @@ static inline __mmask16 span16(int lo, int hi, int base) {
 static void softmax_step(float *restrict s, int ss, const int *restrict row_pos, int rows, int kpos0, int nkeys,
                          int window, float scale, float cap, float *restrict m, float *restrict l,
                          float *restrict alpha, uint32_t *restrict p) {
-    const __m512 neg = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale);
+    const __m512 neg = _mm512_set1_ps(-INFINITY), sc = _mm512_set1_ps(scale), c = _mm512_set1_ps(scale * LOG2E);
     const __m512 capv = _mm512_set1_ps(cap), inv_cap = _mm512_set1_ps(cap > 0.f ? 1.f / cap : 0.f);
     for (int r0 = 0; r0 < rows; r0 += 16) {
         const int nr = rows - r0 < 16 ? rows - r0 : 16;
@@ -324,25 +339,8 @@ static void softmax_step(float *restrict s, int ss, const int *restrict row_pos,
                 memset(pr, 0, sizeof(uint32_t) * (size_t)(nkeys / 2));
                 continue;
             }
-            const __m512 mv = _mm512_set1_ps(mn[i]);
             const float *sr = s + (int64_t)(r0 + i) * ss;
-            if ((whole >> i) & 1) { /* exp(s * scale - m) as 2^(s * scale * log2(e) - m * log2(e)) */
-                const __m512 c = _mm512_set1_ps(scale * 1.44269504088896341f);
-                const __m512 mc = _mm512_set1_ps(-mn[i] * 1.44269504088896341f);
-                for (int v = 0; v < nkeys; v += 32) {
-                    const __m512 e0 = exp2_softmax16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + v), c, mc));
-                    const __m512 e1 = exp2_softmax16(_mm512_fmadd_ps(_mm512_loadu_ps(sr + v + 16), c, mc));
-                    sums[i] = _mm512_add_ps(sums[i], _mm512_add_ps(e0, e1));
-                    _mm512_storeu_si512(pr + v / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-                }
-                continue;
-            }
-            for (int v = 0; v < nkeys; v += 32) { /* masked keys are -inf: exactly 0 */
-                const __m512 e0 = exp_softmax16(_mm512_sub_ps(_mm512_loadu_ps(sr + v), mv));
-                const __m512 e1 = exp_softmax16(_mm512_sub_ps(_mm512_loadu_ps(sr + v + 16), mv));
-                sums[i] = _mm512_add_ps(sums[i], _mm512_add_ps(e0, e1));
-                _mm512_storeu_si512(pr + v / 2, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-            }
+            sums[i] = (whole >> i) & 1 ? row_exps(sr, nkeys, mn[i], c, 1, pr) : row_exps(sr, nkeys, mn[i], c, 0, pr);
         }
         const __m512 l_new = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, l + r0), a, sum16(sums));
         _mm512_mask_storeu_ps(m + r0, lanes, m_new);
