@@ -175,3 +175,108 @@ def test_amx_prefill_matches_the_avx512_prefill(heads, kv_heads, head_size, wind
     assert (amx - avx).abs().max().item() <= 2**-7 * max(1.0, avx.abs().max().item())
     assert (amx - avx).abs().mean().item() <= 1e-3
     assert not torch.equal(amx, torch.zeros_like(amx))
+
+
+def _shared_prefix_step(heads: int, kv_heads: int, d: int):
+    """A step of five chunks: three over 20 shared pages (320 cached tokens: 256 of them two whole
+    softmax blocks of 128 keys), one with 300 cached tokens of its own, a fresh one. Returns (the
+    shared pages, a source of unused pages, block table, chunks, cache, q)."""
+    bs = 16
+    shared = list(range(1, 21))
+    own = iter(range(21, 200))
+
+    def table(cached: int, new: int, common: list[int]) -> list[int]:
+        n = -(-(cached + new) // bs)
+        return common[:n] + [next(own) for _ in range(n - min(n, len(common)))]
+
+    spec = [(320, 24, shared), (320, 1, shared), (300, 40, []), (320, 40, shared), (0, 70, [])]
+    tables = [table(c, n, common) for c, n, common in spec]
+    width = max(len(t) for t in tables)
+    block_table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    starts = [sum(n for _, n, _ in spec[:i]) for i in range(len(spec))]
+    chunks = torch.tensor([[s, n, c] for s, (c, n, _) in zip(starts, spec, strict=True)], dtype=torch.int32)
+    cache = torch.randn(200, 2, bs, kv_heads, d).to(torch.bfloat16)
+    q = torch.randn(sum(n for _, n, _ in spec), heads, d).to(torch.bfloat16)
+    return shared, own, block_table, chunks, cache, q
+
+
+def _prefill(q, cache, block_table, chunks, pages, rows: slice = slice(None)) -> torch.Tensor:
+    out = torch.zeros_like(q)
+    d = q.shape[2]
+    table, step = block_table[rows], chunks[rows]
+    cpu_kernels.paged_prefill(q, cache, table, step, d**-0.5, None, out, page_epochs=pages)
+    return out
+
+
+@pytest.fixture
+def cascade_cache():
+    cpu_kernels.set_cascade_cache_limit(None)
+    cpu_kernels.clear_cascade_cache()
+    yield
+    cpu_kernels.set_cascade_cache_limit(None)
+    cpu_kernels.clear_cascade_cache()
+
+
+@pytest.mark.parametrize("amx", [False, True])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_size"), [(9, 3, 64), (8, 1, 128), (4, 2, 32)])
+def test_prefill_reads_shared_prefixes_from_the_packed_prefix_cache(
+    heads, kv_heads, head_size, amx, cascade_cache
+):
+    """With page epochs, a cached prefix that chunks of a step share is packed once into the
+    packed-prefix cache (its whole blocks of 128 keys; the rest with each chunk) and read from there, by
+    this step and later ones: the same bits as packing it with every chunk, as the softmax blocks fall
+    at the same keys. A prefix of one chunk's own is not kept; a page whose epoch moved is packed again
+    from its new content."""
+    from tokenos.worker.kv_cache import PageEpochs
+
+    if not cpu_kernels.prefill_supported(heads, kv_heads, head_size) or not cpu_kernels.uses_cascade():
+        pytest.skip("the C prefill kernel and the packed-prefix cache need AVX512-BF16")
+    if amx and not cpu_kernels.uses_amx():
+        pytest.skip("no AMX-BF16 (or the OS refused its tiles)")
+    torch.manual_seed(11)
+    shared, _, block_table, chunks, cache, q = _shared_prefix_step(heads, kv_heads, head_size)
+    epochs = PageEpochs(cache.shape[0])
+    allowed = cpu_kernels.uses_amx()
+    cpu_kernels.set_amx(amx)
+    try:
+        fresh = _prefill(q, cache, block_table, chunks, None)
+        assert cpu_kernels.cascade_cache_stats()["entries"] == 0
+        assert torch.equal(_prefill(q, cache, block_table, chunks, epochs.epochs), fresh)
+        stats = cpu_kernels.cascade_cache_stats()
+        assert (stats["entries"], stats["misses"]) == (1, 1)  # the shared prefix only, packed once
+        assert torch.equal(_prefill(q, cache, block_table, chunks, epochs.epochs), fresh)  # found whole
+        assert cpu_kernels.cascade_cache_stats()["hits"] == 1
+        # One chunk alone over the shared pages: the entry serves it too.
+        start, new = chunks[3, 0].item(), chunks[3, 1].item()
+        alone = _prefill(q, cache, block_table, chunks, epochs.epochs, slice(3, 4))
+        assert torch.equal(alone[start : start + new], fresh[start : start + new])
+        assert cpu_kernels.cascade_cache_stats()["hits"] == 2
+        # New content in a shared page, its epoch moved: packed again, as a fresh call sees it.
+        cache[shared[3]] = torch.randn_like(cache[shared[3]])
+        epochs.bump([shared[3]])
+        moved = _prefill(q, cache, block_table, chunks, epochs.epochs)
+        assert torch.equal(moved, _prefill(q, cache, block_table, chunks, None))
+        assert not torch.equal(moved, fresh)
+    finally:
+        cpu_kernels.set_amx(allowed)
+
+
+def test_prefill_reads_a_decode_groups_packed_prefix(cascade_cache):
+    """A decode group's packed prefix (cascade attention's entry) serves a later prefill chunk over the
+    same pages, with the bits of packing them afresh."""
+    from tokenos.worker.kv_cache import PageEpochs
+
+    if not cpu_kernels.prefill_supported(9, 3, 64) or not cpu_kernels.uses_cascade():
+        pytest.skip("the C prefill kernel and the packed-prefix cache need AVX512-BF16")
+    torch.manual_seed(12)
+    shared, own, block_table, chunks, cache, q = _shared_prefix_step(9, 3, 64)
+    epochs = PageEpochs(cache.shape[0])
+    table = torch.tensor([shared + [next(own)], shared + [next(own)]], dtype=torch.int32)
+    lens = torch.tensor([330, 335], dtype=torch.int32)
+    dq = torch.randn(2, 9, 64)
+    cpu_kernels.paged_decode(dq, cache, table, lens, 0.125, None, page_epochs=epochs.epochs)
+    assert cpu_kernels.cascade_cache_stats()["entries"] == 1
+    one = _prefill(q, cache, block_table, chunks, epochs.epochs, slice(0, 1))
+    assert cpu_kernels.cascade_cache_stats()["hits"] == 1
+    new = chunks[0, 1].item()
+    assert torch.equal(one[:new], _prefill(q, cache, block_table, chunks, None)[:new])

@@ -281,7 +281,7 @@ class Attention(CacheLayer):
         if cpu_kernels.batch_invariant() and self._use_c_prefill(q, kv_cache):
             # Decodes, drafts being verified and prompt chunks all through the prefill kernel: a query's
             # attention then does not depend on what its step holds or how its prompt was chunked.
-            self._c_prefill(q, kv_cache, *meta.chunks_batch(), out, scaled, None)
+            self._c_prefill(q, kv_cache, *meta.chunks_batch(), out, scaled, None, meta.page_epochs)
             return out.view(q.shape[0], -1)
         c_kernels = _use_c_kernel(kv_cache)
         decode_batch = meta.decode_batch() if c_kernels else None
@@ -308,20 +308,20 @@ class Attention(CacheLayer):
                 q[group.tokens], flat, rows, meta.decode_mask(i, self.sliding_window)
             )
         if meta.prefills and self._use_c_prefill(q, kv_cache):
-            self._c_prefill(q, kv_cache, *meta.prefill_batch(), out, scaled, meta.prefills)
+            self._c_prefill(q, kv_cache, *meta.prefill_batch(), out, scaled, meta.prefills, meta.page_epochs)
             return out.view(q.shape[0], -1)
         for i, chunk in enumerate(meta.prefills):
             rows = None if chunk.slots is None else meta.prefill_rows(i, rows_per_block)
             out[chunk.start : chunk.end] = self._prefill(i, chunk, q, k, v, flat, rows, meta)
         return out.view(q.shape[0], -1)
 
-    def _c_prefill(self, q, kv_cache, chunks, table, out, scaled: bool, spans) -> None:
+    def _c_prefill(self, q, kv_cache, chunks, table, out, scaled: bool, spans, epochs) -> None:
         """The C prefill kernel over ``chunks`` into ``out``; 8-bit pages' V scale applied after, to the
-        tokens of ``spans`` (chunks with start / end; None: every token)."""
+        tokens of ``spans`` (chunks with start / end; None: every token). ``epochs``: the step's page
+        epochs (the packed-prefix cache's key), or None."""
         scale = self.scale * (self.k_scale if scaled else 1.0)
-        cpu_kernels.paged_prefill(
-            q, kv_cache, table, chunks, scale, self.sliding_window, out, self.logit_softcap, self.sinks
-        )
+        window, cap = self.sliding_window, self.logit_softcap
+        cpu_kernels.paged_prefill(q, kv_cache, table, chunks, scale, window, out, cap, self.sinks, epochs)
         if scaled and self.v_scale != 1.0:
             for part in [out] if spans is None else [out[span.start : span.end] for span in spans]:
                 part.mul_(self.v_scale)

@@ -55,7 +55,7 @@ _SIGNATURES = {
     "kv_write_fp8": [_P, _I64, _P, _I64, _I64, _I, _P, _P, _F, _F],
     "decode_layer": [_P, _P, _P, _P, _I],
 }
-_PREFILL_SIGNATURE = [_P, _I64, _P, _I, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I64, _F, _P]
+_PREFILL_SIGNATURE = [_P, _I64, _P, _I, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I64, _F, _P, _P]
 _QLINEAR_SIGNATURES = {
     "qgemm_bf16_desc": [_P, _P, _I64, _I64, _P, _I64, _I],
     "qgemm_f32_desc": [_P, _P, _I64, _I64, _P, _I64],
@@ -523,11 +523,15 @@ def paged_prefill(
     out: torch.Tensor,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    page_epochs: torch.Tensor | None = None,
 ) -> None:
     """Every prefill chunk of a step at once, bf16 queries over bf16, float8 e4m3fn or int8 pages, read in
     place; see prefill_attention.c. q and out [T, H, D] (heads contiguous, any token stride); chunks int32
     [n, 3] = (first token, query length, cached tokens before it); block_table int32 [n, max_blocks].
-    ``softcap`` and ``sinks`` as in `paged_decode`."""
+    ``softcap`` and ``sinks`` as in `paged_decode`. ``page_epochs`` as in `paged_decode`: given, a cached
+    prefix that chunks share, or that the packed-prefix cache holds, is read from there (the same
+    arithmetic as packing it with each chunk)."""
+    assert page_epochs is None or (page_epochs.dtype == torch.int64 and page_epochs.is_contiguous())
     sinks = _sinks_arg(sinks, q.shape[1])
     lib = load()
     assert lib is not None
@@ -553,4 +557,5 @@ def paged_prefill(
         out.stride(0),
         softcap or 0.0,
         None if sinks is None else sinks.data_ptr(),
+        None if page_epochs is None else page_epochs.data_ptr(),
     )

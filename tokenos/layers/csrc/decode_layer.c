@@ -55,7 +55,7 @@ DECLARE_KV_WRITE(kv_write_int8_bf16, bf16)
 void paged_prefill_bf16(const bf16 *q, int64_t q_stride, const void *cache, int kv_kind, int64_t page_stride,
                         int block_size, const int32_t *block_table, int max_blocks, const int32_t *chunks,
                         int num_chunks, int num_heads, int num_kv_heads, int head_size, float scale, int window,
-                        bf16 *out, int64_t out_stride, float cap, const float *sinks);
+                        bf16 *out, int64_t out_stride, float cap, const float *sinks, const int64_t *epochs);
 int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size);
 int kernels_batch_invariant(void);
 /* qlinear.c's entry points take its `qdesc`; only its address passes through here. */
@@ -133,7 +133,8 @@ static void invariant_attention_bf16(const layer_desc *L, const step_desc *S, bf
         m++;
     }
     paged_prefill_bf16(qkv, width, L->kv_cache, L->kv_kind, L->page_stride, S->block_size, table, mb, chunks, m,
-                       S->heads, S->kv_heads, S->head_dim, L->scale, L->window, attn, q_width, 0.0f, NULL);
+                       S->heads, S->kv_heads, S->head_dim, L->scale, L->window, attn, q_width, 0.0f, NULL,
+                       S->epochs);
     free(chunks);
     if (L->kv_kind != KV_MODEL && L->v_scale != 1.0f) /* the module path's out.mul_(v_scale), in bf16 */
         for (int64_t j = 0; j < n * q_width; j++) attn[j] = f32_to_bf16(bf16_to_f32(attn[j]) * L->v_scale);

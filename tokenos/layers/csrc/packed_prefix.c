@@ -116,7 +116,7 @@ static prefix_entry *prefix_new(const void *cache, int64_t page_stride, int bloc
 
 prefix_entry *prefix_entry_for(const void *cache, int64_t page_stride, int block_size, int num_kv_heads,
                                       int d, int tokens, const int32_t *pages, const int64_t *epochs,
-                                      int64_t tile_elems, int64_t *from) {
+                                      int64_t tile_elems, int create, int64_t *from) {
     const int64_t tiles = (tokens + PREFIX_TILE_KEYS - 1) / PREFIX_TILE_KEYS;
     prefix_entry *best = NULL;
     const int32_t page0 = pages[0];
@@ -151,6 +151,7 @@ prefix_entry *prefix_entry_for(const void *cache, int64_t page_stride, int block
         *from = best->tokens / PREFIX_TILE_KEYS;
         pc_grown++;
     } else {
+        if (!create) return NULL;
         best = prefix_new(cache, page_stride, block_size, num_kv_heads, d, tiles, tile_elems, page0, epoch0);
         if (!best) return NULL;
         *from = 0;

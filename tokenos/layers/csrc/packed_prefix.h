@@ -43,10 +43,10 @@ int prefix_cache_begin(const int64_t *epochs);
 void prefix_cache_end(void);
 
 /* The entry for a group over `tokens` tokens (whole pages) of `pages`, inside begin / end: found whole
- * (*from = its tiles, nothing to pack), grown in place from a shorter one (*from: its whole tiles), or
- * new (*from = 0). NULL: no room. */
+ * (*from = its tiles, nothing to pack), grown in place from a shorter one (*from: its whole tiles), or,
+ * where `create`, new (*from = 0). NULL: no room, or no entry to find and none to create. */
 prefix_entry *prefix_entry_for(const void *cache, int64_t page_stride, int block_size, int num_kv_heads, int d,
                                int tokens, const int32_t *pages, const int64_t *epochs, int64_t tile_elems,
-                               int64_t *from);
+                               int create, int64_t *from);
 
 #endif

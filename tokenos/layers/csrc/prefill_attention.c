@@ -495,14 +495,14 @@ typedef struct {
 } pf_scratch;
 
 /* The online-softmax loop of an item over packed key tiles [tile0, tile1) (keys from kbase), for the
- * rows set up in w (bf16 queries, positions, m = -inf, l = 0); leaves unnormalized outputs in w->o.
+ * rows set up in w (bf16 queries, positions, m = -inf, l = 0, o = 0, or the state an earlier range of
+ * keys left); leaves unnormalized outputs in w->o.
  * stream: the tiles lie in memory, not in cache (a cached prefix's, see prefetch_slice), so the AMX
  * loop asks for them a block ahead, and during the last block for follow's (the first keys of the
  * item the thread likely takes next; NULL: none); a prefill chunk's were just packed. */
 static void attend_rows(const uint32_t *kp, const uint32_t *vp, int kbase, int tile0, int tile1, int rows, int d,
                         float scale, int window, float cap, pf_scratch *w, int amx, int stream,
                         const uint32_t *follow) {
-    memset(w->o, 0, sizeof(float) * (size_t)rows * d);
     if (amx) {
         for (int b0 = tile0; b0 < tile1; b0 += PF_BT) {
             const int nt = tile1 - b0 < PF_BT ? tile1 - b0 : PF_BT, b1 = b0 + PF_BT;
@@ -533,11 +533,14 @@ static void attend_rows(const uint32_t *kp, const uint32_t *vp, int kbase, int t
     }
 }
 
-/* Item (chunk c, KV head kh, query tokens [t0, t1) of the chunk). */
-static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp, const uint32_t *vp,
-                        int kbase, int ctx, int start, int t0, int t1, int kh, int g, int d, float scale,
-                        int window, float cap, const float *sinks, uint16_t *out, int64_t out_stride,
-                        pf_scratch *w, int amx) {
+/* Item (chunk c, KV head kh, query tokens [t0, t1) of the chunk): keys [0, pkeys) from pkp / pvp (a
+ * cached prefix's packed tiles, pkeys whole softmax blocks; 0: none), the rest from kp / vp (keys
+ * from kbase). The blocks fall where one range from key 0 would put them, so a query's arithmetic is
+ * the same whichever range its keys come from. */
+static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *pkp, const uint32_t *pvp, int pkeys,
+                        const uint32_t *kp, const uint32_t *vp, int kbase, int ctx, int start, int t0, int t1,
+                        int kh, int g, int d, float scale, int window, float cap, const float *sinks,
+                        uint16_t *out, int64_t out_stride, pf_scratch *w, int amx) {
     const int live = (t1 - t0) * g;
     const int block = amx ? 16 : PF_RS; /* rows are padded to whole register blocks or tiles */
     const int rows = (live + block - 1) / block * block;
@@ -554,7 +557,10 @@ static void attend_item(const uint16_t *q, int64_t q_stride, const uint32_t *kp,
         w->m[r] = -INFINITY;
         w->l[r] = 0.f;
     }
+    memset(w->o, 0, sizeof(float) * (size_t)rows * d);
     const int first_pos = ctx + t0, last_pos = ctx + t1 - 1;
+    if (pkeys > 0) /* its tiles lie in memory since an earlier step, as a decode group's prefix does */
+        attend_rows(pkp, pvp, 0, 0, pkeys / PF_KT, rows, d, scale, window, cap, w, amx, 1, NULL);
     int lo_key = window > 0 ? first_pos - window + 1 : 0;
     if (lo_key < kbase) lo_key = kbase;
     attend_rows(kp, vp, kbase, (lo_key - kbase) / PF_BS * PF_BT, (last_pos - kbase) / PF_KT + 1, rows, d, scale,
@@ -681,14 +687,71 @@ static void scratch_end(pf_scratch *w, int amx) {
     free(w);
 }
 
+/* Cached prefixes through the packed-prefix cache (csrc/packed_prefix.h): a prefix that several chunks
+ * of a step share (requests over one cached system prompt or document), or that the cache already
+ * holds (a decode group's, an earlier step's), is packed once and kept, rather than once per chunk and
+ * step. Chunk c's part, pre[c] keys from 0: whole softmax blocks of whole pages below its cached
+ * tokens, without a window; 0 where it has none. A prefix of one chunk's own is packed with its chunk,
+ * as before: kept, it would only crowd out the shared ones. */
+static int prefix_keys(int ctx, int window, int block_size) {
+    const int keys = ctx / PF_BS * PF_BS;
+    return window == 0 && keys > 0 && keys % block_size == 0 ? keys : 0;
+}
+
+/* pre (see above) and the units of pp (unit c: chunk c's prefix tiles, in its entry), packing what the
+ * entries lack. Inside prefix_cache_begin / end. */
+static void cached_prefixes(packed_kv *pp, int *pre, const void *cache, int64_t page_stride, int block_size,
+                            const int32_t **blocks, const int32_t *chunks, int num_chunks, int window,
+                            int num_kv_heads, int d, const int64_t *epochs, int64_t row, int64_t v_offset) {
+    int *twin = (int *)malloc(sizeof(int) * (size_t)(4 * num_chunks)), *shared = twin + num_chunks;
+    int *zero = shared + num_chunks, *todo = zero + num_chunks, ntodo = 0;
+    for (int c = 0; c < num_chunks; c++) {
+        pre[c] = prefix_keys(chunks[3 * c + 2], window, block_size);
+        twin[c] = -1, shared[c] = 0, zero[c] = 0;
+    }
+    /* twin: the first earlier chunk over the same prefix (its pages, as many keys) */
+    for (int c = 0; c < num_chunks; c++)
+        for (int t = 0; t < c && pre[c] > 0; t++)
+            if (pre[t] == pre[c] && blocks[t][0] == blocks[c][0]
+                && memcmp(blocks[t], blocks[c], sizeof(int32_t) * (size_t)(pre[c] / block_size)) == 0) {
+                twin[c] = t, shared[c] = shared[t] = 1;
+                break;
+            }
+    packed_init(pp, num_chunks, zero, pre, num_kv_heads, d);
+    for (int c = 0; c < num_chunks; c++) {
+        if (pre[c] == 0) continue;
+        const int t = twin[c];
+        if (t >= 0) { /* processed before c: its entry, or none (no room) */
+            pre[c] = pre[t];
+            pp->kp[c] = pp->kp[t], pp->vp[c] = pp->vp[t], pp->hstride[c] = pp->hstride[t];
+            continue;
+        }
+        prefix_entry *e = prefix_entry_for(cache, page_stride, block_size, num_kv_heads, d, pre[c], blocks[c], epochs,
+                                           pp->tile_elems, shared[c], &pp->from[c]);
+        if (!e) {
+            pre[c] = 0;
+            continue;
+        }
+        pp->kp[c] = e->kv;
+        pp->vp[c] = e->kv + prefix_entry_elems(e, pp->tile_elems);
+        pp->hstride[c] = e->cap_tiles;
+        if (pp->from[c] < pp->ntiles[c]) todo[ntodo++] = c;
+    }
+    pack_units(pp, todo, ntodo, cache, NULL, page_stride, block_size, blocks, zero, pre, row, v_offset, d);
+    free(twin);
+}
+
 /* chunks: int32 [num_chunks][3] = (first token in q/out, query length, tokens cached before it);
  * block_table: int32 [num_chunks][max_blocks]. q and out: [tokens, num_heads, head_size] bf16 with
  * token strides q_stride / out_stride (elements), heads contiguous. cap: the attention-logit soft cap
- * (0: none); sinks: one float32 logit per query head joining its softmax sum (NULL: none). */
+ * (0: none); sinks: one float32 logit per query head joining its softmax sum (NULL: none). epochs: the
+ * pages' epochs for the packed-prefix cache (see csrc/packed_prefix.h; NULL: every prefix packed with
+ * its chunk). */
 void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, int kv_kind, int64_t page_stride,
                         int block_size, const int32_t *block_table, int max_blocks, const int32_t *chunks,
                         int num_chunks, int num_heads, int num_kv_heads, int head_size, float scale,
-                        int window, uint16_t *out, int64_t out_stride, float cap, const float *sinks) {
+                        int window, uint16_t *out, int64_t out_stride, float cap, const float *sinks,
+                        const int64_t *epochs) {
     const int g = num_heads / num_kv_heads, d = head_size;
     const uint16_t *table = kv_table(kv_kind);
     const int64_t row = (int64_t)num_kv_heads * d, v_offset = (int64_t)block_size * row;
@@ -704,6 +767,15 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
         k1[c] = ctx + qlen;
         item0[c + 1] = item0[c] + (int64_t)num_kv_heads * ((qlen + PF_QT - 1) / PF_QT);
     }
+    /* keys [0, pre[c]) from the packed-prefix cache (pp), the rest packed for this call (pk) */
+    int *pre = (int *)calloc((size_t)num_chunks, sizeof(int));
+    packed_kv pp = {0};
+    const int keep = table == NULL && prefix_cache_begin(epochs);
+    if (keep)
+        cached_prefixes(&pp, pre, cache, page_stride, block_size, blocks, chunks, num_chunks, window, num_kv_heads,
+                        d, epochs, row, v_offset);
+    for (int c = 0; c < num_chunks; c++)
+        if (pre[c] > 0) k0[c] = pre[c];
     packed_kv pk;
     packed_init(&pk, num_chunks, k0, k1, num_kv_heads, d);
     int *todo = (int *)malloc(sizeof(int) * (size_t)num_chunks);
@@ -725,14 +797,19 @@ void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, 
             const int64_t local = it - item0[c];
             const int kh = (int)(local % num_kv_heads), qt = (int)(local / num_kv_heads);
             const int t0 = qt * PF_QT, t1 = t0 + PF_QT < qlen ? t0 + PF_QT : qlen;
-            const int64_t base = packed_base(&pk, c, kh);
-            attend_item(q, q_stride, pk.kp[c] + base, pk.vp[c] + base, k0[c], ctx, start, t0, t1, kh, g, d, scale, window,
-                        cap, sinks, out, out_stride, w, amx);
+            const int64_t base = packed_base(&pk, c, kh), pbase = pre[c] > 0 ? packed_base(&pp, c, kh) : 0;
+            attend_item(q, q_stride, pre[c] > 0 ? pp.kp[c] + pbase : NULL, pre[c] > 0 ? pp.vp[c] + pbase : NULL,
+                        pre[c], pk.kp[c] + base, pk.vp[c] + base, k0[c], ctx, start, t0, t1, kh, g, d, scale,
+                        window, cap, sinks, out, out_stride, w, amx);
         }
         scratch_end(w, amx);
     }
+    if (keep) {
+        prefix_cache_end();
+        packed_free(&pp);
+    }
     packed_free(&pk);
-    free(item0); free(blocks); free(k0);
+    free(item0); free(blocks); free(k0); free(pre);
 }
 
 /* Decodes sharing a cached prefix (cascade attention): csrc/paged_attention.c finds requests whose
@@ -867,7 +944,7 @@ shared_prefix_step *shared_prefix_begin(const float *q, const uint16_t *cache, i
     int *spare = (int *)malloc(sizeof(int) * (size_t)num_groups), nspare = 0; /* packed outside the cache */
     for (int j = 0; j < num_groups; j++) {
         prefix_entry *e = st->keep ? prefix_entry_for(cache, page_stride, block_size, num_kv_heads, d, tokens[j],
-                                                      blocks[j], epochs, pk->tile_elems, &pk->from[j])
+                                                      blocks[j], epochs, pk->tile_elems, 1, &pk->from[j])
                                    : NULL;
         if (!e) {
             spare[nspare++] = todo[ntodo++] = j;
@@ -917,6 +994,7 @@ void shared_prefix_item(const shared_prefix_step *st, int64_t it, int64_t nth, v
         w->m[r] = -INFINITY;
         w->l[r] = 0.f;
     }
+    memset(w->o, 0, sizeof(float) * (size_t)rows * d);
     const int64_t base = packed_base(pk, j, kh), ntiles = pk->ntiles[j];
     attend_rows(pk->kp[j] + base, pk->vp[j] + base, 0, (int)piece_tile0(pk, pieces, x),
                 (int)(ntiles * (piece + 1) / pieces[j]), rows, d, st->scale, 0, st->cap, w, st->amx, 1,
@@ -946,8 +1024,9 @@ int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size) {
 void paged_prefill_bf16(const uint16_t *q, int64_t q_stride, const void *cache, int kv_kind, int64_t page_stride,
                         int block_size, const int32_t *block_table, int max_blocks, const int32_t *chunks,
                         int num_chunks, int num_heads, int num_kv_heads, int head_size, float scale,
-                        int window, uint16_t *out, int64_t out_stride, float cap, const float *sinks) {
-    (void)cap; (void)sinks; (void)q; (void)q_stride; (void)cache; (void)kv_kind; (void)page_stride; (void)block_size; (void)block_table;
+                        int window, uint16_t *out, int64_t out_stride, float cap, const float *sinks,
+                        const int64_t *epochs) {
+    (void)cap; (void)sinks; (void)epochs; (void)q; (void)q_stride; (void)cache; (void)kv_kind; (void)page_stride; (void)block_size; (void)block_table;
     (void)max_blocks; (void)chunks; (void)num_chunks; (void)num_heads; (void)num_kv_heads;
     (void)head_size; (void)scale; (void)window; (void)out; (void)out_stride;
     abort(); /* the caller checks paged_prefill_available() first */
