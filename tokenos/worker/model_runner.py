@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from tokenos.config import CacheConfig, LoRAConfig, SchedulerConfig
-from tokenos.core.kv_cache.spec import FullAttentionSpec, KVCacheConfig, KVCacheSpec, MambaSpec, cdiv
+from tokenos.core.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaSpec, cdiv
 from tokenos.core.sched.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from tokenos.core.spec_decode import SpeculativeConfig
 from tokenos.layers import cpu_kernels
@@ -245,15 +245,8 @@ class ModelRunner:
             )
 
     def _bump_page_epochs(self, scheduler_output: SchedulerOutput) -> None:
-        """Every page handed to a request this step may be written: its packed copies go stale. But a new
-        request's full-attention pages that its cached tokens fill (prefix-cache hits) are never written
-        while cached, so the packed copy of a shared prompt (cascade attention's, a prefill chunk's)
-        stays good for each request that joins it, rather than being packed again for every one."""
-        handed: list[int] = []
-        for new in scheduler_output.scheduled_new_reqs:
-            for spec, ids in zip(self.group_specs, new.block_ids, strict=True):
-                hit = new.num_computed_tokens // spec.block_size if isinstance(spec, FullAttentionSpec) else 0
-                handed.extend(ids[hit:])
+        """Every page handed to a request this step may be written: its packed copies go stale."""
+        handed = [b for new in scheduler_output.scheduled_new_reqs for ids in new.block_ids for b in ids]
         for added in scheduler_output.scheduled_cached_reqs.new_block_ids:
             if added is not None:
                 handed.extend(b for ids in added for b in ids)

@@ -4,7 +4,6 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 
 #define PREFIX_STALE_CALLS 4096
 
@@ -44,22 +43,10 @@ static int prefix_matches(const prefix_entry *e, const void *cache, int64_t page
     return 1;
 }
 
-/* Packed tiles live in their own mappings, not in malloc's heap: an entry lives for many steps, and
- * amid the heap it would leave the steps' short-lived tensors to land on fresh pages (prefix-64 with
- * caching took 33,000 page faults a run, 1.6 us each, in the GEMMs and activations that wrote them). */
-static uint32_t *tiles_alloc(int64_t bytes) {
-    void *p = mmap(NULL, (size_t)bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    return p == MAP_FAILED ? NULL : (uint32_t *)p;
-}
-
-static void tiles_free(uint32_t *kv, int64_t bytes) {
-    if (kv) munmap(kv, (size_t)bytes);
-}
-
 static void prefix_drop(int i) {
     prefix_entry *e = pc_entries[i];
     pc_bytes -= e->bytes;
-    tiles_free(e->kv, e->bytes);
+    free(e->kv);
     free(e->epochs);
     free(e);
     pc_entries[i] = pc_entries[--pc_count];
@@ -87,14 +74,13 @@ static int prefix_reserve(prefix_entry *e, int64_t tiles, int64_t tile_elems, in
     const int64_t cap = tiles + (tiles / 4 > 4 ? tiles / 4 : 4);
     const int64_t bytes = (int64_t)sizeof(uint32_t) * 2 * cap * e->num_kv_heads * tile_elems;
     if (!prefix_make_room(bytes - e->bytes)) return 0;
-    uint32_t *kv = tiles_alloc(bytes);
-    if (!kv) return 0;
+    uint32_t *kv = (uint32_t *)malloc((size_t)bytes);
     const int64_t full = keep / PREFIX_TILE_KEYS, old = prefix_entry_elems(e, tile_elems), now = cap * e->num_kv_heads * tile_elems;
     for (int plane = 0; plane < 2 && e->kv; plane++) /* K, then V */
         for (int kh = 0; kh < e->num_kv_heads; kh++)
             memcpy(kv + plane * now + kh * cap * tile_elems, e->kv + plane * old + kh * e->cap_tiles * tile_elems,
                    sizeof(uint32_t) * (size_t)(full * tile_elems));
-    tiles_free(e->kv, e->bytes);
+    free(e->kv);
     const int cap_pages = (int)(cap * PREFIX_TILE_KEYS / e->block_size);
     int64_t *epochs = (int64_t *)malloc((sizeof(int64_t) + sizeof(int32_t)) * (size_t)cap_pages);
     int32_t *pages = (int32_t *)(epochs + cap_pages);
