@@ -637,6 +637,15 @@ static inline int64_t packed_base(const packed_kv *pk, int u, int kh) {
     return (int64_t)kh * pk->hstride[u] * pk->tile_elems;
 }
 
+/* Unit u's tiles are entry e's (csrc/packed_prefix.h: each KV head's at cap_tiles apart, K then V);
+ * whether some are still to pack (from[u], set by prefix_entry_for, short of its tiles). */
+static int unit_in_entry(packed_kv *pk, int u, const prefix_entry *e) {
+    pk->kp[u] = e->kv;
+    pk->vp[u] = e->kv + prefix_entry_elems(e, pk->tile_elems);
+    pk->hstride[u] = e->cap_tiles;
+    return pk->from[u] < pk->ntiles[u];
+}
+
 /* Pack units todo[0 .. n) into their buffers, every (tile, KV head) of them one parallel item. */
 #define PACK_PARALLEL_MIN 16
 static void pack_units(const packed_kv *pk, const int *todo, int n, const void *cache, const uint16_t *table,
@@ -732,10 +741,7 @@ static void cached_prefixes(packed_kv *pp, int *pre, const void *cache, int64_t 
             pre[c] = 0;
             continue;
         }
-        pp->kp[c] = e->kv;
-        pp->vp[c] = e->kv + prefix_entry_elems(e, pp->tile_elems);
-        pp->hstride[c] = e->cap_tiles;
-        if (pp->from[c] < pp->ntiles[c]) todo[ntodo++] = c;
+        if (unit_in_entry(pp, c, e)) todo[ntodo++] = c;
     }
     pack_units(pp, todo, ntodo, cache, NULL, page_stride, block_size, blocks, zero, pre, row, v_offset, d);
     free(twin);
@@ -950,10 +956,7 @@ shared_prefix_step *shared_prefix_begin(const float *q, const uint16_t *cache, i
             spare[nspare++] = todo[ntodo++] = j;
             continue;
         }
-        pk->kp[j] = e->kv;
-        pk->vp[j] = e->kv + prefix_entry_elems(e, pk->tile_elems);
-        pk->hstride[j] = e->cap_tiles;
-        if (pk->from[j] < pk->ntiles[j]) todo[ntodo++] = j;
+        if (unit_in_entry(pk, j, e)) todo[ntodo++] = j;
     }
     packed_alloc(pk, spare, nspare);
     free(spare);
