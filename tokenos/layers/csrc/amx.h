@@ -39,14 +39,15 @@ static inline void amx_configure(void) {
     amx_load_config(&cfg);
 }
 
-/* The few-row layout (qlinear.c's qgemv_amx): tiles 0-1 accumulate `rows` x 16 fp32, tile 4 holds
- * `rows` activation rows of 32 bf16, tiles 6-7 hold B (16 pair rows of 64 bytes). Tiles of `rows`
- * rows read and write only the rows that exist, so no padded copy of the activations is needed. */
+/* The few-row layout (qlinear.c's qgemv_amx): tiles 0-1 and 2-3 accumulate `rows` x 16 fp32 (alternate
+ * weight groups), tile 4 holds `rows` activation rows of 32 bf16, tiles 6-7 hold B (16 pair rows of 64
+ * bytes). Tiles of `rows` rows read and write only the rows that exist, so no padded copy of the
+ * activations is needed. */
 static inline void amx_configure_rows(int rows) {
     amx_tilecfg cfg = {0};
     cfg.palette = 1;
-    const int used[5] = {0, 1, 4, 6, 7};
-    for (int i = 0; i < 5; i++) {
+    const int used[7] = {0, 1, 2, 3, 4, 6, 7};
+    for (int i = 0; i < 7; i++) {
         int t = used[i];
         cfg.rows[t] = t >= 6 ? 16 : rows, cfg.colsb[t] = 64;
     }

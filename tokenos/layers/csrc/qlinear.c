@@ -551,18 +551,52 @@ static inline void int_rows(const qweight *w, const uint8_t *cells, int64_t p, _
     for (int j = 0; j < 16; j += 2) pair_ints(cells, p + j, w->bits, dst + j, dst + j + 1);
 }
 
+/* Group gg's tile sums (cg, row stride 32) into the accumulators, with the group's scale and zero. */
+static inline __attribute__((always_inline)) void few_scale(const int M, const qweight *w, int64_t t, int64_t gg,
+                                                            float offset, const float *cg, const float *xsum,
+                                                            __m512 acc[][2]) {
+    const int64_t groups = w->K / w->group;
+    for (int h = 0; h < 2; h++) {
+        __m512 sc, zc;
+        group_scale(w, 2 * t + h, gg, offset, &sc, &zc);
+        for (int i = 0; i < M; i++) {
+            acc[i][h] = _mm512_fmadd_ps(sc, _mm512_load_ps(cg + h * 16 + i * 32), acc[i][h]);
+            acc[i][h] = _mm512_fmadd_ps(zc, _mm512_set1_ps(xsum[i * groups + gg]), acc[i][h]);
+        }
+    }
+}
+
+/* Group g's tile sums (tiles 0-1 for an even g, 2-3 for an odd one) to c, and those tiles zeroed. */
+static inline __attribute__((always_inline)) void few_store(int64_t g, float *c) {
+    if (g & 1) {
+        _tile_stored(2, c, 128);
+        _tile_stored(3, c + 16, 128);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_stored(0, c, 128);
+        _tile_stored(1, c + 16, 128);
+        _tile_zero(0);
+        _tile_zero(1);
+    }
+}
+
 /* One 32-column tile t of qgemv_amx for a constant M (each M its own copy, by always_inline through
- * the switch below), so the M x 32 fp32 accumulators stay in registers: a group's tile sums (c, row
- * stride 32) go into them as memory operands of the multiply-adds, with no load or store of an
- * accumulator per group. Software-pipelined: the integer cells of chunk k + 1 are widened into the
- * other B buffer before chunk k's tiles load, and a group's tile sums are stored one group before the
- * vector unit scales them, so no tile load waits on the vector stores just made, and no vector load
- * on a tile store. */
+ * the switch below), so the M x 32 fp32 accumulators stay in registers. Software-pipelined, as the
+ * tile unit's latency is the cost here, not its throughput: the integer cells of chunk k + 1 are
+ * widened into the other B buffer before chunk k's tiles load; groups accumulate in alternate pairs
+ * of C tiles, and a group's sums are stored one group after its multiplies were issued (a store right
+ * after them waited for their result, a third of the time at 5 rows) and scaled one group after that,
+ * so no tile load waits on the vector stores just made, and no vector load on a tile store. */
 static inline __attribute__((always_inline)) void few_tile(const int M, const qweight *w, const uint16_t *x,
                                                            int64_t xs, int64_t t, const float *xsum, float offset,
                                                            __m512i b[2][2][16], float c[2][AMX_FEW_MAX * 32],
                                                            const __m512i *panel, int64_t m0, void *out,
                                                            int64_t os, int out_f32) {
+    /* A copy whose address never escapes: the B buffers are written through __m512i (may_alias), which
+     * would otherwise make every use of w reload its fields after every store. */
+    const qweight wl = *w, *const wo = w;
+    w = &wl;
     const int64_t K = w->K, groups = K / w->group, nblocks = (w->N + 15) / 16;
     const int64_t cb = cell_bytes(w->bits), chunks = K / 32, per_group = w->group / 32;
     const int two = 2 * t + 1 < nblocks;
@@ -575,6 +609,9 @@ static inline __attribute__((always_inline)) void few_tile(const int M, const qw
     }
     _tile_zero(0);
     _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    int64_t g = 0, done = 0; /* chunk k's group, and its chunks issued before k */
     for (int64_t k = 0; k < chunks; k++) {
         if (!panel && k + 1 < chunks) {
             int_rows(w, c0, 16 * (k + 1), b[(k + 1) & 1][0]);
@@ -583,33 +620,28 @@ static inline __attribute__((always_inline)) void few_tile(const int M, const qw
         _tile_loadd(4, x + 32 * k, xs * 2);
         _tile_loadd(6, panel ? panel + 32 * k : b[k & 1][0], 64);
         _tile_loadd(7, panel ? panel + 32 * k + 16 : b[k & 1][1], 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        const int last = k + 1 == chunks;
-        if ((k + 1) % per_group && !last) continue;
-        const int64_t g = k / per_group;
-        _tile_stored(0, c[g & 1], 128);
-        _tile_stored(1, c[g & 1] + 16, 128);
-        _tile_zero(0);
-        _tile_zero(1);
-        /* group g - 1 now, and at the end group g too */
-        for (int64_t gg = g > 0 ? g - 1 : g; gg <= (last ? g : g - 1); gg++)
-            for (int h = 0; h < 2; h++) {
-                __m512 sc, zc;
-                group_scale(w, 2 * t + h, gg, offset, &sc, &zc);
-                const float *cg = c[gg & 1] + h * 16;
-                for (int i = 0; i < M; i++) {
-                    acc[i][h] = _mm512_fmadd_ps(sc, _mm512_load_ps(cg + i * 32), acc[i][h]);
-                    acc[i][h] = _mm512_fmadd_ps(zc, _mm512_set1_ps(xsum[i * groups + gg]), acc[i][h]);
-                }
-            }
+        if (g & 1) {
+            _tile_dpbf16ps(2, 4, 6);
+            _tile_dpbf16ps(3, 4, 7);
+        } else {
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (++done < per_group) continue;
+        done = 0;
+        if (g > 0) few_store(g - 1, c[(g - 1) & 1]);
+        if (g > 1) few_scale(M, w, t, g - 2, offset, c[g & 1], xsum, acc);
+        g++;
     }
+    if (groups > 1) few_scale(M, w, t, groups - 2, offset, c[groups & 1], xsum, acc);
+    few_store(groups - 1, c[(groups - 1) & 1]);
+    few_scale(M, w, t, groups - 1, offset, c[(groups - 1) & 1], xsum, acc);
     float rows[AMX_FEW_MAX * 32] __attribute__((aligned(64)));
     for (int i = 0; i < M; i++) {
         _mm512_store_ps(rows + i * 32, acc[i][0]);
         _mm512_store_ps(rows + i * 32 + 16, acc[i][1]);
     }
-    store_rows(w, rows, m0, M, 32 * t, w->N, out, os, out_f32);
+    store_rows(wo, rows, m0, M, 32 * t, w->N, out, os, out_f32);
 }
 
 /* few_tile for M rows (1 to AMX_FEW_MAX), each row count its own copy. */
