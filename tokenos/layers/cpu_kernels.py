@@ -53,7 +53,7 @@ _SIGNATURES = {
     "rotary": [_P, _I64, _I, _P, _I64, _I, _I, _I, _P, _P, _I64],
     "kv_write_int8": [_P, _I64, _P, _I64, _I64, _I, _P, _P, _F, _F],
     "kv_write_fp8": [_P, _I64, _P, _I64, _I64, _I, _P, _P, _F, _F],
-    "decode_layer": [_P, _P, _P, _P, _I],
+    "decode_layers": [_P, _P, _I, _P, _P],
 }
 _PREFILL_SIGNATURE = [_P, _I64, _P, _I, _I64, _I, _P, _I, _P, _I, _I, _I, _I, _F, _I, _P, _I64, _F, _P, _P]
 _QLINEAR_SIGNATURES = {
