@@ -348,3 +348,21 @@ def test_amx_few_row_path_is_exact_as_the_avx512_few_row_path(bits, zeros, n, k,
                 assert (avx512.double() - want).abs().max().item() <= bound, m
     finally:
         cpu_kernels.set_amx(allowed)
+
+
+@pytest.mark.skipif(cpu_kernels.qrows_kernel() is None, reason="fp32 quantized kernels not built")
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("zeros", [False, True])
+@pytest.mark.parametrize(("n", "k", "group"), [(40, 64, 32), (17, 128, 128), (100, 96, 16), (300, 576, 32)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_kernel_gives_the_torch_rows_exactly(bits, zeros, n, k, group, dtype):
+    """An embedding lookup from packed rows (csrc/qlinear.c's qrows_desc): the same bits as the torch
+    ops, for every lane of a 16-row block, both nibbles of an int4 cell, and a table of n % 16 != 0."""
+    qw = QuantizedWeight(random_quantized(n, k, bits, group, zeros, seed=n + k + bits))
+    ids = torch.cat([torch.arange(n), torch.randint(0, n, (37,), generator=torch.Generator().manual_seed(n))])
+    got, want = qw.rows(ids.view(-1, 1), dtype), qw._rows_reference(ids.view(-1, 1), dtype)
+    bits_view = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert got.shape == want.shape == (len(ids), 1, k)
+    assert torch.equal(got.view(bits_view), want.view(bits_view))
+    with pytest.raises(IndexError):
+        qw.rows(torch.tensor([n]), dtype)

@@ -61,6 +61,7 @@ _QLINEAR_SIGNATURES = {
     "qgemm_f32_desc": [_P, _P, _I64, _I64, _P, _I64],
     "qdequant_f32_desc": [_P, _I64, _I64, _P],
     "qgemm_bf16_argmax_desc": [_P, _P, _I64, _I64, _P],
+    "qrows_desc": [_P, _P, _I64, _P, _I],
 }
 
 
@@ -247,6 +248,18 @@ def qdequant_kernel():
     out), or None where the fp32 kernels are not built."""
     lib = load()
     return lib.qdequant_f32_desc if lib is not None and lib.qlinear_available() & 1 else None
+
+
+@cache
+def qrows_kernel():
+    """csrc/qlinear.c's ``qrows_desc`` (a `QDesc` address, int64 row ids, their count, an [n, K] out, 1
+    for bf16 else float32): rows of the weight dequantized, an embedding lookup, returning 1 where an id
+    is not a row; None where the fp32 kernels are not built."""
+    lib = load()
+    if lib is None or not lib.qlinear_available() & 1:
+        return None
+    lib.qrows_desc.restype = ctypes.c_int  # 1: an id out of range, nothing written
+    return lib.qrows_desc
 
 
 def _library_call(name: str, *args: int) -> Any:

@@ -147,6 +147,10 @@ def _nonzero(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(scales == 0, torch.ones_like(scales), scales)
 
 
+# Dtypes csrc/qlinear.c's qrows_desc writes (its out_bf16 flag).
+_ROW_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
 class QuantizedWeight:
     """A `QuantizedTensor` packed for the kernel; ``qw(x, bias)`` -> ``x W^T + b`` in x's dtype."""
 
@@ -182,6 +186,17 @@ class QuantizedWeight:
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows ``ids`` (an embedding lookup), [*ids.shape, K]."""
+        kernel = cpu_kernels.qrows_kernel() if self._gemms and dtype in _ROW_DTYPES else None
+        if kernel is not None and self.shape[1] % self.group == 0:
+            flat = ids.reshape(-1).to(torch.int64).contiguous()
+            out = torch.empty(flat.shape[0], self.shape[1], dtype=dtype)
+            if kernel(self._desc_address, flat.data_ptr(), flat.shape[0], out.data_ptr(), _ROW_DTYPES[dtype]):
+                raise IndexError(f"row ids out of range for a table of {self.shape[0]} rows")
+            return out.reshape(*ids.shape, -1)
+        return self._rows_reference(ids, dtype)
+
+    def _rows_reference(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`rows` in torch ops (the kernel's reference, and its fallback)."""
         flat = ids.reshape(-1).long()
         blk, lane = flat // 16, flat % 16
         half, r = lane // 8, lane % 8

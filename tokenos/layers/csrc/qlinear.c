@@ -1067,12 +1067,54 @@ void qdequant_f32_desc(const qdesc *d, int64_t n0, int64_t n1, float *out) {
     }
 }
 
+/* Rows ids[0 .. n) of the weight, dequantized (an embedding lookup) into out [n, K]: float32, or bf16
+ * rounded to nearest even (out_bf16), exactly QuantizedWeight.rows' values: q * s is exact in float32
+ * (an 8-bit integer times an fp16), so q * s + z rounds once whether fused or not. Row r of block b is
+ * byte 16 * (r % 16 / 8) + 2 * (r % 8) + t of each cell (t: the pair's column); an int4 double cell
+ * holds pair 2j in its low nibbles, 2j + 1 in its high ones. Returns 1, writing nothing, where an id is
+ * not a row. */
+int qrows_desc(const qdesc *d, const int64_t *ids, int64_t n, void *out, int out_bf16) {
+    const int64_t K = d->K, groups = K / d->group, pairs = K / 2, cb = cell_bytes(d->bits);
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= d->N) return 1; /* the caller raises; nothing read out of bounds */
+    _Pragma("omp parallel for schedule(static) if (n >= 64)")
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t row = ids[i], blk = row / 16, lane = row % 16, at = 16 * (lane / 8) + 2 * (lane % 8);
+        const uint8_t *cells = d->q + blk * pairs * cb;
+        const uint16_t *s = d->s + blk * groups * 16 + lane, *z = d->z ? d->z + blk * groups * 16 + lane : NULL;
+        float *of = (float *)out + i * K;
+        uint16_t *ob = (uint16_t *)out + i * K;
+        const int64_t gp = d->group / 2; /* pairs per group (the kernels' groups hold whole pairs) */
+        for (int64_t g = 0; g < groups; g++) {
+            const float sc = _cvtsh_ss(s[g * 16]), zc = z ? _cvtsh_ss(z[g * 16]) : 0.0f;
+            for (int64_t p = g * gp; p < (g + 1) * gp; p++) {
+                const uint8_t *c = cell_at(cells, p, d->bits) + at;
+                const int shift = 4 * (int)(p & 1);
+                for (int t = 0; t < 2; t++) {
+                    const float q = d->bits == 4 ? (float)((c[t] >> shift) & 15) : (float)(int8_t)c[t];
+                    float w = q * sc;
+                    if (z) w += zc;
+                    if (out_bf16) {
+                        uint32_t u;
+                        memcpy(&u, &w, 4);
+                        ob[2 * p + t] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* finite */
+                    } else {
+                        of[2 * p + t] = w;
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+
 #else
 void qgemm_f32(const float *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s, const uint16_t *z,
                int bits, int group, int64_t N, int64_t K, float *out, int64_t os) {
     abort();
 }
 void qdequant_f32_desc(const qdesc *d, int64_t n0, int64_t n1, float *out) { abort(); }
+int qrows_desc(const qdesc *d, const int64_t *ids, int64_t n, void *out, int out_bf16) { abort(); }
 #endif
 
 void qgemm_bf16(const uint16_t *x, int64_t M, int64_t xs, const uint8_t *q, const uint16_t *s,
