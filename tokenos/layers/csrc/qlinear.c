@@ -49,6 +49,7 @@
 #endif
 #include "amx.h"
 #include "argmax.h"
+#include "vec_math.h"
 #if QL_BF16 && AMX_AVAILABLE
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -1094,13 +1095,10 @@ int qrows_desc(const qdesc *d, const int64_t *ids, int64_t n, void *out, int out
                     const float q = d->bits == 4 ? (float)((c[t] >> shift) & 15) : (float)(int8_t)c[t];
                     float w = q * sc;
                     if (z) w += zc;
-                    if (out_bf16) {
-                        uint32_t u;
-                        memcpy(&u, &w, 4);
-                        ob[2 * p + t] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* finite */
-                    } else {
+                    if (out_bf16)
+                        ob[2 * p + t] = f32_to_bf16(w);
+                    else
                         of[2 * p + t] = w;
-                    }
                 }
             }
         }
