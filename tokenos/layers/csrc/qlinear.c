@@ -131,6 +131,11 @@ static inline __m512i int8_ints(const uint8_t *cell) {
     return (__m512i)_mm512_cvtne2ps_pbh(a, b);
 }
 
+/* (x[0], x[1]) in every dword lane, straight from memory: one broadcast load. Read through a GPR (a
+ * memcpy of both pairs into an int64, as GCC compiles it) each broadcast is a GPR-to-vector move and a
+ * shuffle, which on Zen 4 share the FP pipes with vdpbf16ps. */
+static inline __m512bh bcast_pair(const uint16_t *x) { return (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(x)); }
+
 /* Pairs p (even) and p + 1 of a block: one load for int4's double cell. */
 static inline void pair_ints(const uint8_t *cells, int64_t p, int bits, __m512i *even, __m512i *odd) {
     if (bits == 4) {
@@ -262,9 +267,7 @@ static inline __attribute__((always_inline)) void gemv_tile(int mt, const qweigh
             else
                 l1 = l0, h1 = h0;
             for (int i = 0; i < mt; i++) {
-                int32_t pr;
-                memcpy(&pr, x + i * xs + 2 * p, 4);
-                __m512bh xb = (__m512bh)_mm512_set1_epi32(pr);
+                __m512bh xb = bcast_pair(x + i * xs + 2 * p);
                 d[i][0] = _mm512_dpbf16_ps(d[i][0], (__m512bh)l0, xb);
                 d[i][1] = _mm512_dpbf16_ps(d[i][1], (__m512bh)l1, xb);
                 e[i][0] = _mm512_dpbf16_ps(e[i][0], (__m512bh)h0, xb);
@@ -280,9 +283,7 @@ static inline __attribute__((always_inline)) void gemv_tile(int mt, const qweigh
             else
                 w1 = w0, v1 = v0;
             for (int i = 0; i < mt; i++) {
-                int32_t pr[2];
-                memcpy(pr, x + i * xs + 2 * p, 8);
-                __m512bh xe = (__m512bh)_mm512_set1_epi32(pr[0]), xo = (__m512bh)_mm512_set1_epi32(pr[1]);
+                __m512bh xe = bcast_pair(x + i * xs + 2 * p), xo = bcast_pair(x + i * xs + 2 * p + 2);
                 d[i][0] = _mm512_dpbf16_ps(d[i][0], (__m512bh)w0, xe);
                 d[i][1] = _mm512_dpbf16_ps(d[i][1], (__m512bh)w1, xe);
                 if (split) {
@@ -298,9 +299,7 @@ static inline __attribute__((always_inline)) void gemv_tile(int mt, const qweigh
             __m512bh w0 = (__m512bh)int8_ints(c0 + p * 32);
             __m512bh w1 = two ? (__m512bh)int8_ints(c1 + p * 32) : w0;
             for (int i = 0; i < mt; i++) {
-                int32_t pr;
-                memcpy(&pr, x + i * xs + 2 * p, 4);
-                __m512bh xb = (__m512bh)_mm512_set1_epi32(pr);
+                __m512bh xb = bcast_pair(x + i * xs + 2 * p);
                 d[i][0] = _mm512_dpbf16_ps(d[i][0], w0, xb);
                 d[i][1] = _mm512_dpbf16_ps(d[i][1], w1, xb);
             }
@@ -422,9 +421,7 @@ static inline __attribute__((always_inline)) void tile_bf16(int mt, const __m512
     for (int64_t p = 0; p < np; p++) {
         __m512bh w0 = (__m512bh)panel[2 * p], w1 = (__m512bh)panel[2 * p + 1];
         for (int i = 0; i < mt; i++) {
-            int32_t pair;
-            memcpy(&pair, x + i * xs + 2 * (p0 + p), 4);
-            __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+            __m512bh xb = bcast_pair(x + i * xs + 2 * (p0 + p));
             acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xb);
             acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xb);
         }
