@@ -396,6 +396,16 @@ static tile_pv_fn pv_for(int d) {
     }
 }
 
+/* Slice i of n of [at, at + bytes) prefetched into L2: the keys of a prefix lie in memory (a packed
+ * prefix of 64 decodes is 94 MB), and a tile load that misses stalls its row of tile products; one
+ * burst of a block's 512 lines before it stalled on the fill buffers instead, so they go out a slice
+ * per tile product. */
+static inline void prefetch_slice(const char *at, int64_t bytes, int i, int n) {
+    if (!at) return;
+    const int64_t lines = (bytes + 63) / 64, l0 = lines * i / n, l1 = lines * (i + 1) / n;
+    for (int64_t l = l0; l < l1; l++) _mm_prefetch(at + l * 64, _MM_HINT_T1);
+}
+
 #if AMX_AVAILABLE
 /* The AMX path takes the keys PF_BT tiles (128 keys) at a time: the two products on AMX tiles
  * (TDPBF16PS: bf16 pairs, products exact in float32, float32 sums) from the same packed layouts, and
@@ -408,15 +418,6 @@ static tile_pv_fn pv_for(int d) {
  * caller pads with zero queries), head sizes in multiples of 32. Tiles: 0, 1 accumulate, 2 holds A,
  * 3, 4 hold B. */
 
-/* Slice i of n of [at, at + bytes) prefetched into L2: the keys of a prefix lie in memory (a packed
- * prefix of 64 decodes is 94 MB), and a tile load that misses stalls its row of tile products; one
- * burst of a block's 512 lines before it stalled on the fill buffers instead, so they go out a slice
- * per tile product. */
-static inline void prefetch_slice(const char *at, int64_t bytes, int i, int n) {
-    if (!at) return;
-    const int64_t lines = (bytes + 63) / 64, l0 = lines * i / n, l1 = lines * (i + 1) / n;
-    for (int64_t l = l0; l < l1; l++) _mm_prefetch(at + l * 64, _MM_HINT_T1);
-}
 
 /* s[r][t * PF_KT ..] = q_r . k over the block's nt tiles, unscaled (row stride PF_BS floats); pf:
  * pf_bytes to prefetch meanwhile (NULL: none; attend_rows passes the block's values). */
@@ -500,8 +501,8 @@ typedef struct {
 /* The online-softmax loop of an item over packed key tiles [tile0, tile1) (keys from kbase), for the
  * rows set up in w (bf16 queries, positions, m = -inf, l = 0, o = 0, or the state an earlier range of
  * keys left); leaves unnormalized outputs in w->o.
- * stream: the tiles lie in memory, not in cache (a cached prefix's, see prefetch_slice), so the AMX
- * loop asks for them a block ahead, and during the last block for follow's (the first keys of the
+ * stream: the tiles lie in memory, not in cache (a cached prefix's, see prefetch_slice), so the
+ * loops ask for them a block ahead, and during the last block for follow's (the first keys of the
  * item the thread likely takes next; NULL: none); a prefill chunk's were just packed. */
 static void attend_rows(const uint32_t *kp, const uint32_t *vp, int kbase, int tile0, int tile1, int rows, int d,
                         float scale, int window, float cap, pf_scratch *w, int amx, int stream,
@@ -532,9 +533,19 @@ static void attend_rows(const uint32_t *kp, const uint32_t *vp, int kbase, int t
      * tokens, 96 own, 407 / 382 -> 345 / 372 us. */
     const tile_pv_fn pv = pv_for(d);
     for (int b0 = tile0; b0 < tile1; b0 += PF_BT) {
-        const int nt = tile1 - b0 < PF_BT ? tile1 - b0 : PF_BT;
-        for (int t = 0; t < nt; t++)
+        const int nt = tile1 - b0 < PF_BT ? tile1 - b0 : PF_BT, b1 = b0 + PF_BT;
+        const int next = tile1 - b1 < PF_BT ? tile1 - b1 : PF_BT;
+        /* streaming tiles: this block's values and the next block's keys (or the next item's) come in
+         * a slice per tile's scores, as the AMX path spreads them over its tile products */
+        const char *values = stream ? (const char *)(vp + (int64_t)b0 * (PF_KT / 2) * d) : NULL;
+        const char *ahead = !stream ? NULL : next > 0 ? (const char *)(kp + (int64_t)b1 * (d / 2) * PF_KT)
+                                                        : (const char *)follow;
+        const int64_t block_bytes = (int64_t)nt * PF_KT * d * 2, ahead_bytes = (int64_t)(next > 0 ? next : PF_BT) * PF_KT * d * 2;
+        for (int t = 0; t < nt; t++) {
+            prefetch_slice(values, block_bytes, t, nt);
+            prefetch_slice(ahead, ahead_bytes, t, nt);
             tile_scores(w->qb, kp + (int64_t)(b0 + t) * (d / 2) * PF_KT, rows, d, w->s + t * PF_KT, PF_BS);
+        }
         softmax_step(w->s, PF_BS, w->pos, rows, kbase + b0 * PF_KT, nt * PF_KT, window, scale, cap, w->m, w->l,
                      w->alpha, w->p);
         pv(w->p, vp + (int64_t)b0 * (PF_KT / 2) * d, nt, w->alpha, rows, w->o);
