@@ -76,8 +76,8 @@ def decode_attention(batch: int, context: int, args: argparse.Namespace, dtype: 
     kv_dtype = _BENCH_KV_DTYPES.get(args.kv_cache_dtype, dtype)
     kv_bytes = batch * context * 2 * args.kv_heads * args.head_dim * kv_dtype.itemsize
     # As a model's layers do, the calls walk caches that together overflow the last-level cache: one
-    # cache of batch 64 x 512 tokens (25 MB) sits in a 32 MB L3 and measured 1.3-1.7x a decode step's
-    # speed from memory (Zen 4).
+    # cache of batch 64 x 576 tokens (28 MB) stayed in a Zen 4's 32 MB L3 and reported 28.1 GB/s, where
+    # decode steps read their K/V from memory at 19-23 GB/s.
     caches = []
     for _ in range(llc_copies(kv_bytes)):
         cache = allocate_kv_cache(batch * blocks_per_req + 1, block, args.kv_heads, args.head_dim, kv_dtype)

@@ -14,9 +14,9 @@
  *  2. Attend: items are (chunk, KV head, tile of PF_QT query tokens); the query heads sharing the KV
  *     head (GQA) are rows of the same item, so each packed K/V tile serves PF_QT * group rows. Per block
  *     of PF_BT key tiles (PF_KT keys each): scores S = q k^T by vdpbf16ps (bf16 products exact in
- *     float32, float32 sums), the causal / window mask, an online-softmax update in float32, then O +=
- *     P V with P
- *     rounded to bf16 (as torch's flash attention does for its second GEMM) and float32 accumulation.
+ *     float32, float32 sums), the causal / window mask, an online-softmax update in float32, then
+ *     O += P V with P rounded to bf16 (as torch's flash attention does for its second GEMM) and float32
+ *     accumulation.
  *     Outputs are normalized and rounded to bf16 once, at the end.
  *
  * fp8 pages (float8 e4m3fn, kv_kind = 1) and int8 pages (kv_kind = 2): the pack phase widens each key and
@@ -418,7 +418,6 @@ static inline void prefetch_slice(const char *at, int64_t bytes, int i, int n) {
  * caller pads with zero queries), head sizes in multiples of 32. Tiles: 0, 1 accumulate, 2 holds A,
  * 3, 4 hold B. */
 
-
 /* s[r][t * PF_KT ..] = q_r . k over the block's nt tiles, unscaled (row stride PF_BS floats); pf:
  * pf_bytes to prefetch meanwhile (NULL: none; attend_rows passes the block's values). */
 static void block_scores_amx(const uint32_t *restrict qb, const uint32_t *restrict kp, int nt, int rows, int d,
@@ -507,48 +506,39 @@ typedef struct {
 static void attend_rows(const uint32_t *kp, const uint32_t *vp, int kbase, int tile0, int tile1, int rows, int d,
                         float scale, int window, float cap, pf_scratch *w, int amx, int stream,
                         const uint32_t *follow) {
-    if (amx) {
-        for (int b0 = tile0; b0 < tile1; b0 += PF_BT) {
-            const int nt = tile1 - b0 < PF_BT ? tile1 - b0 : PF_BT, b1 = b0 + PF_BT;
-            const int next = tile1 - b1 < PF_BT ? tile1 - b1 : PF_BT; /* tiles of the next block */
-            const int64_t next_bytes = (int64_t)next * PF_KT * d * 2;  /* of its keys, as of its values */
-            /* this block's values come in while its scores are made; the next block's keys and values
-             * while its P V is */
-            block_scores_amx(w->qb, kp + (int64_t)b0 * (d / 2) * PF_KT, nt, rows, d, w->s,
-                             stream ? (const char *)(vp + (int64_t)b0 * (PF_KT / 2) * d) : NULL,
-                             (int64_t)nt * PF_KT * d * 2);
-            softmax_step(w->s, PF_BS, w->pos, rows, kbase + b0 * PF_KT, nt * PF_KT, window, scale, cap, w->m,
-                         w->l, w->alpha, w->p);
-            const char *ahead = !stream ? NULL : next > 0 ? (const char *)(kp + (int64_t)b1 * (d / 2) * PF_KT)
-                                                            : (const char *)follow;
-            block_pv_amx(w->p, vp + (int64_t)b0 * (PF_KT / 2) * d, nt, w->alpha, rows, d, w->o, w->pv, ahead,
-                         next > 0 ? next_bytes : (int64_t)PF_BT * PF_KT * d * 2);
-        }
-        return;
-    }
-    /* Blocks of PF_BT tiles as on AMX, not a softmax step per tile: the step's maxima and sums (max16 /
-     * sum16), its rescale factors' exp and the outputs' rescale, load and store are paid once per 128
-     * keys. AMD EPYC (Zen 4, AVX512-BF16, no AMX), `tokenos bench kernels`, two alternations: prefill
-     * chunk 2048 after 2048 cached 43.7 / 47.1 -> 40.9 / 42.6 ms; cascade, 8 groups of 8 over 512 shared
-     * tokens, 96 own, 407 / 382 -> 345 / 372 us. */
+    /* Blocks of PF_BT tiles on both paths, not a softmax step per tile on the AVX-512 one: the step's
+     * maxima and sums (max16 / sum16), its rescale factors' exp and the outputs' rescale, load and store
+     * are paid once per 128 keys. AMD EPYC (Zen 4, AVX512-BF16, no AMX), `tokenos bench kernels`, two
+     * alternations: prefill chunk 2048 after 2048 cached 43.7 / 47.1 -> 40.9 / 42.6 ms; cascade, 8 groups
+     * of 8 over 512 shared tokens, 96 own, 407 / 382 -> 345 / 372 us. */
     const tile_pv_fn pv = pv_for(d);
     for (int b0 = tile0; b0 < tile1; b0 += PF_BT) {
         const int nt = tile1 - b0 < PF_BT ? tile1 - b0 : PF_BT, b1 = b0 + PF_BT;
-        const int next = tile1 - b1 < PF_BT ? tile1 - b1 : PF_BT;
-        /* streaming tiles: this block's values and the next block's keys (or the next item's) come in
-         * a slice per tile's scores, as the AMX path spreads them over its tile products */
-        const char *values = stream ? (const char *)(vp + (int64_t)b0 * (PF_KT / 2) * d) : NULL;
+        const int next = tile1 - b1 < PF_BT ? tile1 - b1 : PF_BT; /* tiles of the next block */
+        const uint32_t *kb = kp + (int64_t)b0 * (d / 2) * PF_KT, *vb = vp + (int64_t)b0 * (PF_KT / 2) * d;
+        const int64_t block_bytes = (int64_t)nt * PF_KT * d * 2; /* of its keys, as of its values */
+        /* Streamed tiles: this block's values come in while its scores are made; the next block's keys
+         * (the next item's on the last block) during its P V on AMX, during its scores on AVX-512 (its
+         * P V is one call), a slice per tile. */
+        const char *values = stream ? (const char *)vb : NULL;
         const char *ahead = !stream ? NULL : next > 0 ? (const char *)(kp + (int64_t)b1 * (d / 2) * PF_KT)
                                                         : (const char *)follow;
-        const int64_t block_bytes = (int64_t)nt * PF_KT * d * 2, ahead_bytes = (int64_t)(next > 0 ? next : PF_BT) * PF_KT * d * 2;
-        for (int t = 0; t < nt; t++) {
-            prefetch_slice(values, block_bytes, t, nt);
-            prefetch_slice(ahead, ahead_bytes, t, nt);
-            tile_scores(w->qb, kp + (int64_t)(b0 + t) * (d / 2) * PF_KT, rows, d, w->s + t * PF_KT, PF_BS);
+        const int64_t ahead_bytes = (int64_t)(next > 0 ? next : PF_BT) * PF_KT * d * 2;
+        if (amx) {
+            block_scores_amx(w->qb, kb, nt, rows, d, w->s, values, block_bytes);
+        } else {
+            for (int t = 0; t < nt; t++) {
+                prefetch_slice(values, block_bytes, t, nt);
+                prefetch_slice(ahead, ahead_bytes, t, nt);
+                tile_scores(w->qb, kb + (int64_t)t * (d / 2) * PF_KT, rows, d, w->s + t * PF_KT, PF_BS);
+            }
         }
         softmax_step(w->s, PF_BS, w->pos, rows, kbase + b0 * PF_KT, nt * PF_KT, window, scale, cap, w->m, w->l,
                      w->alpha, w->p);
-        pv(w->p, vp + (int64_t)b0 * (PF_KT / 2) * d, nt, w->alpha, rows, w->o);
+        if (amx)
+            block_pv_amx(w->p, vb, nt, w->alpha, rows, d, w->o, w->pv, ahead, ahead_bytes);
+        else
+            pv(w->p, vb, nt, w->alpha, rows, w->o);
     }
 }
 
