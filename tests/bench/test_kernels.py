@@ -18,12 +18,14 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_decode_attention_over_fp8_pages(monkeypatch):
+    monkeypatch.setattr(kernels, "copy_bandwidth", lambda: 10.0)
     monkeypatch.setattr(kernels, "timed", lambda fn, **_: (fn(), 1e-3)[1])
     rows = kernels.run(_args("--sections", "decode", "--kv-cache-dtype", "fp8"))
     assert rows and all(row["kv"] == "float8_e4m3fn" and row["GB_s"] > 0 for row in rows)
 
 
 def test_decode_attention_over_int8_pages(monkeypatch):
+    monkeypatch.setattr(kernels, "copy_bandwidth", lambda: 10.0)
     monkeypatch.setattr(kernels, "timed", lambda fn, **_: (fn(), 1e-3)[1])
     rows = kernels.run(_args("--sections", "decode", "--kv-cache-dtype", "int8"))
     assert rows and all(row["kv"] == "int8" and row["GB_s"] > 0 for row in rows)
@@ -48,6 +50,18 @@ def test_every_section_reports_a_positive_rate(monkeypatch):
         assert rate is not None and rate > 0, row
         assert row["dtype"] == "float32"
     assert all("pct_bandwidth" in row for row in rows if "GB_s" in row and row["kernel"] != "copy")
+
+
+def test_decode_attention_is_held_against_the_copy_measured_beside_it(monkeypatch):
+    """Its % is of the copy GB/s measured in turn with its own calls, not of the limits' earlier copy."""
+    copies = iter([10.0, 30.0, 20.0, 40.0, 50.0, 20.0])  # the limits' copy, then five beside the kernel
+    monkeypatch.setattr(kernels, "copy_bandwidth", lambda: next(copies))
+    monkeypatch.setattr(kernels, "gemm_peak", lambda dtype: 100.0)
+    monkeypatch.setattr(kernels, "timed", lambda fn, **_: (fn(), 1e-3)[1])
+    rows = kernels.run(_args("--sections", "limits", "decode", "--dtype", "float32"))
+    copy, decode = rows[0], rows[2]
+    assert copy["GB_s"] == 10.0 and decode["copy_GB_s"] == 30.0  # the median of the five beside it
+    assert decode["pct_bandwidth"] == round(100 * decode["GB_s"] / 30.0, 2)
 
 
 def test_max_kv_gib_skips_shapes_too_large():
