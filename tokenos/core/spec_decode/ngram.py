@@ -1,6 +1,10 @@
 """N-gram (prompt lookup) proposer: the tokens that followed the latest earlier occurrence of the
 request's last n tokens, for the largest n in [min, max] that occurs.
 
+The latest, where vLLM's proposer takes the earliest: the nearer context predicts better. On copy-32 at one
+request at a time (k = 4, n = 4), the earliest occurrence drafted 2913 tokens at acceptance 0.811 against
+the latest's 2807 at 0.844, and ran 243-259 against 279-295 output tok/s (AMD EPYC Zen 4, 2 vCPUs).
+
 Each request keeps an index, per n, from n-gram to the position just after its latest occurrence that
 already has a follower, updated as tokens arrive (a few dict stores per token), so a proposal is at most
 `max - min + 1` lookups rather than a scan of the whole context.
