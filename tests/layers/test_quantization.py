@@ -57,9 +57,9 @@ def test_kernel_matches_dequantized_reference(bits, zeros, n, k, group, dtype):
     t = random_quantized(n, k, bits, group, zeros, seed=n + k + bits)
     qw = QuantizedWeight(t)
     weight = t.dequantize()
-    # Few rows (1..8 for bf16, 1..3 for float32) take the few-row path, more the panel path (tiles
-    # and their remainders).
-    for m in (1, 2, 3, 5, 8, 9, 13, 70):
+    # Few rows (1..16 for bf16, in passes of up to 8 from 9; 1..3 for float32) take the few-row path,
+    # more the panel path (tiles and their remainders).
+    for m in (1, 2, 3, 5, 8, 9, 13, 16, 17, 70):
         x = torch.randn(m, k).to(dtype)
         want = F.linear(x.float(), weight)
         got = qw(x)

@@ -15,9 +15,9 @@
  * pair into the layout vdpbf16ps multiplies against a broadcast (x[2p], x[2p+1]): dword lane r = row r.
  * Scales and zeros are fp16 [blocks][groups][16].
  *
- * qgemm_*: up to 8 activation rows (decode), each cell's integers go straight into the dot product and
- * each group's scale and zero apply once to its integer sum, so the weights are read once, as packed
- * bytes, and never rounded. More rows: a chunk of 128 column pairs of a 32-row tile is dequantized once
+ * qgemm_*: up to 16 activation rows (decode; in passes of 8 over each tile), each cell's integers go
+ * straight into the dot product and each group's scale and zero apply once to its integer sum, so the
+ * weights are read once, as packed bytes, and never rounded. More rows: a chunk of 128 column pairs of a 32-row tile is dequantized once
  * into an L1 panel of bf16 weights and every row runs over it in tiles of 6, accumulating in fp32; on
  * an AVX512-BF16 CPU this measures level with oneDNN's bf16 GEMM from M = 64 to 2048. On an AMX-BF16
  * CPU the same panel, over the whole of K, is multiplied on AMX tiles instead (qgemm_amx), and 2 to 16
@@ -59,6 +59,7 @@
 #endif
 
 int qlinear_available(void) { return QL_F32 | (QL_BF16 << 1); }
+int kernels_amx_ready(void); /* below, in every build */
 
 /* Batch invariance (cpu_kernels.set_batch_invariant, TOKENOS_BATCH_INVARIANT=1): every row count takes
  * the same arithmetic, so a row's outputs are the same bits whatever rows share its call (a decode
@@ -90,7 +91,8 @@ static inline const uint8_t *cell_at(const uint8_t *cells, int64_t p, int bits) 
 #if QL_BF16
 #define KCP 128 /* column pairs per panel chunk: 16 KiB for 32 rows */
 #define MT 6    /* activation rows per panel tile */
-#define MV 8    /* up to this many rows, the panel-free path */
+#define MV 8    /* rows per pass of the panel-free path */
+#define GEMV_ROWS (2 * MV) /* up to this many rows, the panel-free path (without AMX: see qgemv_bf16) */
 /* Bytes ahead of the cells in use that the few-row paths and the panel dequantizer ask for. Weights
  * stream from memory once per step, and a thread's share of them is contiguous; with the hardware
  * prefetcher alone these loops, busy with widening and multiply-adds, left the stream idle while
@@ -321,24 +323,37 @@ static inline __attribute__((always_inline)) void gemv_tile(int mt, const qweigh
     }
 }
 
+/* Past MV rows, passes of up to MV rows over each tile (as even as they go: 9 rows are 5 + 4), the
+ * tile's cells widened again for each pass from L1. Up to GEMV_ROWS this beats the panel path, whose
+ * dequantizing so few rows share (AMD EPYC Zen 4, /tmp C harness, 2 threads, weights from memory, p25 us,
+ * panel -> passes: int4 3072 x 576 at 9 / 16 / 24 rows 144 -> 106, 199 -> 162, 257 -> 245; int4
+ * 576 x 1536 74 -> 54, 97 -> 84, 130 -> 124; the int8 LM head, 49152 x 576, 2912 -> 2188, 3505 -> 3150,
+ * 4609 -> 4814); from 24 rows on the two measured about level, from 32 the panel ahead. */
 static void qgemv_bf16(const qweight *w, const uint16_t *x, int64_t M, int64_t xs, void *out, int64_t os,
                        int out_f32) {
     int64_t groups = w->K / w->group, ntiles = (w->N + 31) / 32;
-    float xsum[MV * groups];
+    const int64_t passes = (M + MV - 1) / MV, per = (M + passes - 1) / passes;
+    float xsum[M * groups];
     group_sums(w, x, M, xs, xsum);
     _Pragma("omp parallel for schedule(static)") for (int64_t t = 0; t < ntiles; t++) {
         float acc[MV * 32] __attribute__((aligned(64)));
-        switch (M) {
-        case 8: gemv_tile(8, w, 2 * t, x, xs, xsum, acc); break;
-        case 7: gemv_tile(7, w, 2 * t, x, xs, xsum, acc); break;
-        case 6: gemv_tile(6, w, 2 * t, x, xs, xsum, acc); break;
-        case 5: gemv_tile(5, w, 2 * t, x, xs, xsum, acc); break;
-        case 4: gemv_tile(4, w, 2 * t, x, xs, xsum, acc); break;
-        case 3: gemv_tile(3, w, 2 * t, x, xs, xsum, acc); break;
-        case 2: gemv_tile(2, w, 2 * t, x, xs, xsum, acc); break;
-        default: gemv_tile(1, w, 2 * t, x, xs, xsum, acc); break;
+        for (int64_t m0 = 0; m0 < M; m0 += per) {
+            const int64_t mt = M - m0 < per ? M - m0 : per;
+            const uint16_t *xr = x + m0 * xs;
+            const float *sr = xsum + m0 * groups;
+            switch (mt) {
+            case 8: gemv_tile(8, w, 2 * t, xr, xs, sr, acc); break;
+            case 7: gemv_tile(7, w, 2 * t, xr, xs, sr, acc); break;
+            case 6: gemv_tile(6, w, 2 * t, xr, xs, sr, acc); break;
+            case 5: gemv_tile(5, w, 2 * t, xr, xs, sr, acc); break;
+            case 4: gemv_tile(4, w, 2 * t, xr, xs, sr, acc); break;
+            case 3: gemv_tile(3, w, 2 * t, xr, xs, sr, acc); break;
+            case 2: gemv_tile(2, w, 2 * t, xr, xs, sr, acc); break;
+            default: gemv_tile(1, w, 2 * t, xr, xs, sr, acc); break;
+            }
+            void *rows = out ? (char *)out + m0 * os * (out_f32 ? 4 : 2) : NULL;
+            store_rows(w, acc, m0, mt, 32 * t, w->N, rows, os, out_f32);
         }
-        store_rows(w, acc, 0, M, 32 * t, w->N, out, os, out_f32);
     }
 }
 
@@ -750,7 +765,7 @@ static void qgemm_bf16_w(const qweight *wp, const uint16_t *x, int64_t M, int64_
         return;
     }
 #endif
-    if (M <= MV && !batch_invariant) {
+    if (M <= (kernels_amx_ready() ? MV : GEMV_ROWS) && !batch_invariant) {
         qgemv_bf16(&w, x, M, xs, out, os, out_f32);
         return;
     }
