@@ -15,11 +15,12 @@
  * pair into the layout vdpbf16ps multiplies against a broadcast (x[2p], x[2p+1]): dword lane r = row r.
  * Scales and zeros are fp16 [blocks][groups][16].
  *
- * qgemm_*: up to 16 activation rows (decode; in passes of 8 over each tile), each cell's integers go
- * straight into the dot product and each group's scale and zero apply once to its integer sum, so the
- * weights are read once, as packed bytes, and never rounded. More rows: a chunk of 128 column pairs of a 32-row tile is dequantized once
- * into an L1 panel of bf16 weights and every row runs over it in tiles of 6, accumulating in fp32; on
- * an AVX512-BF16 CPU this measures level with oneDNN's bf16 GEMM from M = 64 to 2048. On an AMX-BF16
+ * qgemm_*: up to 16 activation rows (decode; past 8 in passes of up to 8 over each tile), each cell's
+ * integers go straight into the dot product and each group's scale and zero apply once to its integer
+ * sum, so the weights are read once, as packed bytes, and never rounded. More rows: a chunk of 128 column
+ * pairs of a 32-row tile is dequantized once into an L1 panel of bf16 weights and every row runs over it
+ * in tiles of 6, accumulating in fp32; on an AVX512-BF16 CPU this measures level with oneDNN's bf16 GEMM
+ * from M = 64 to 2048. On an AMX-BF16
  * CPU the same panel, over the whole of K, is multiplied on AMX tiles instead (qgemm_amx), and 2 to 16
  * rows multiply the integer cells on tiles, exact as the few-row path (qgemv_amx). The fp32 build
  * (AVX2) takes a panel path in fp32 past MV32 rows; fewer (qgemv_f32) go straight from the cells;
