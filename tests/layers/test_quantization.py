@@ -70,6 +70,23 @@ def test_kernel_matches_dequantized_reference(bits, zeros, n, k, group, dtype):
         assert (got.float() - want).abs().max().item() <= tol * scale, (m, dtype)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_float32_panel_rows_are_the_same_in_every_piece(bits, monkeypatch):
+    """Past 512 rows the float32 panel runs in pieces of rows (TOKENOS_QUANT_DENSE_FROM set high keeps
+    the panel there): every row equals the same row run alone through the panel, bit for bit."""
+    if cpu_kernels.qgemm_kernel(torch.float32) is None:
+        pytest.skip("no float32 quantized kernel")
+    monkeypatch.setenv("TOKENOS_QUANT_DENSE_FROM", "100000")
+    t = random_quantized(48, 64, bits, 32, True, seed=bits)
+    qw = QuantizedWeight(t)
+    x = torch.randn(1030, 64)
+    got = qw(x)
+    assert (got - F.linear(x, t.dequantize())).abs().max().item() <= 1e-5 * got.abs().max().item()
+    # Rows 512.. and 1024.. begin the second and third pieces; 6-row tiles there as anywhere.
+    for r0 in (0, 506, 512, 1024):
+        assert torch.equal(qw(x[r0 : r0 + 6]), got[r0 : r0 + 6]), r0
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES)
 def test_kernel_float32_output_bias_and_strided_rows(dtype):
     t = random_quantized(50, 64, 4, 32, True, seed=3)
