@@ -906,9 +906,10 @@ static void deq_block_f32(const qweight32 *w, int64_t blk, int64_t p0, int64_t p
     }
 }
 
-/* mt (up to MT32) rows over np pairs of the panel, half a block (two of its four vectors) at a time:
- * 12 accumulators, the two weight vectors and one broadcast fill the 16 registers, as an AVX2 SGEMM's
- * 6 x 16 kernel does. Each lane's sum takes its products in the same order as with fewer rows. */
+/* mt (up to MT32) rows over np pairs of the panel: 4 to 6 rows take half a block (two of its four
+ * vectors) at a time, so that 12 accumulators, the two weight vectors and one broadcast fill the 16
+ * registers, as an AVX2 SGEMM's 6 x 16 kernel does; 1 to 3 rows take the whole block in one pass. Each
+ * lane's sum takes its products in the same order whatever mt is. */
 static inline __attribute__((always_inline)) void tile_f32(int mt, const __m256 *panel, int64_t np,
                                                            const float *x, int64_t xs, int64_t p0,
                                                            float *acc_io, int first) {
