@@ -172,7 +172,19 @@ def test_c_kernel_matches_torch_path_at_large_batches(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "head_size"),
-    [(4, 2, 8), (4, 2, 16), (9, 3, 64), (8, 2, 32), (4, 4, 16), (8, 1, 128), (6, 3, 48), (2, 1, 256)],
+    [
+        (4, 2, 8),
+        (4, 2, 16),
+        (9, 3, 64),
+        (8, 2, 32),
+        (4, 4, 16),
+        (8, 1, 128),
+        (6, 3, 48),
+        (2, 1, 256),
+        # Groups of 5 and 7: the AVX2 item takes query heads 4 at a time, so 4 + 1 and 4 + 3.
+        (10, 2, 32),
+        (7, 1, 64),
+    ],
 )
 @pytest.mark.parametrize("window", [None, 37])
 def test_c_kernel_matches_torch_path_over_shapes(dtype, heads, kv_heads, head_size, window, monkeypatch):
