@@ -88,9 +88,14 @@ static void softmax_step(float *restrict s, int ss, int n, int heads, int d, flo
         if (cap > 0.f) softcap_tile(sh, n, cap);
         float mt = m[h];
         for (int i = 0; i < n; i++) mt = sh[i] > mt ? sh[i] : mt;
-        float alpha = m[h] - mt; /* -inf on the first step: the old sum and outputs are 0 */
-        exp_tile(&alpha, 1);
-        for (int j = 0; j < d; j++) o[(int64_t)h * d + j] *= alpha;
+        /* A max that did not move leaves the outputs and sum as they are (exp_le0(0) is exactly 1, so
+         * this is what rescaling by it gives): with tiles of 16 most steps of a long context are so. */
+        float alpha = 1.f;
+        if (mt > m[h]) {
+            alpha = m[h] - mt; /* -inf on the first step: the old sum and outputs are 0 */
+            exp_tile(&alpha, 1);
+            for (int j = 0; j < d; j++) o[(int64_t)h * d + j] *= alpha;
+        }
         for (int i = 0; i < n; i++) sh[i] -= mt;
         exp_tile(sh, n);
         float sum = 0.f;
@@ -580,6 +585,30 @@ static inline void NAME(const float *restrict q, int d, const T *restrict k, flo
     for (int h = 0; h < GG; h++) s[(int64_t)h * ss] = out[h];                                     \
 }
 
+/* DEFINE_SCORES_ROW for two tokens' rows k0, k1 (scores into s[h * ss] and s[h * ss + 1]): each query
+ * vector loaded once for both, the same sums in the same order. */
+#define DEFINE_SCORES_ROW2(NAME, T, LOAD, GG)                                                      \
+static inline void NAME(const float *restrict q, int d, const T *restrict k0, const T *restrict k1, \
+                        float *restrict s, int ss) {                                              \
+    __m256 acc[4][2];                                                                             \
+    for (int h = 0; h < GG; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();                     \
+    for (int j = 0; j < d; j += 8) {                                                              \
+        const __m256 kv0 = LOAD(k0 + j), kv1 = LOAD(k1 + j);                                      \
+        for (int h = 0; h < GG; h++) {                                                            \
+            const __m256 qh = _mm256_loadu_ps(q + (int64_t)h * d + j);                            \
+            acc[h][0] = _mm256_fmadd_ps(qh, kv0, acc[h][0]);                                      \
+            acc[h][1] = _mm256_fmadd_ps(qh, kv1, acc[h][1]);                                      \
+        }                                                                                         \
+    }                                                                                             \
+    for (int h = 0; h < GG; h += 2) {                                                             \
+        const int h1 = h + 1 < GG ? h + 1 : h;                                                    \
+        float out[4];                                                                             \
+        _mm_storeu_ps(out, sum4x8(acc[h][0], acc[h][1], acc[h1][0], acc[h1][1]));                 \
+        s[(int64_t)h * ss] = out[0], s[(int64_t)h * ss + 1] = out[1];                             \
+        if (h + 1 < GG) s[(int64_t)h1 * ss] = out[2], s[(int64_t)h1 * ss + 1] = out[3];           \
+    }                                                                                             \
+}
+
 /* o[h * d + 0..16) of GG heads plus sum_i p[h * ss + i] V_i over the chunk's n tokens (v: each token's
  * 16 values of this head block). */
 #define DEFINE_PV16(NAME, T, LOAD, GG)                                                             \
@@ -608,6 +637,8 @@ static inline void NAME(float *restrict o, int d, const T *const *rows, int n, i
 #define DEFINE_ITEM_AVX2(NAME, T, LOAD)                                                           \
 DEFINE_SCORES_ROW(NAME##_r1, T, LOAD, 1) DEFINE_SCORES_ROW(NAME##_r2, T, LOAD, 2)                \
 DEFINE_SCORES_ROW(NAME##_r3, T, LOAD, 3) DEFINE_SCORES_ROW(NAME##_r4, T, LOAD, 4)                \
+DEFINE_SCORES_ROW2(NAME##_p1, T, LOAD, 1) DEFINE_SCORES_ROW2(NAME##_p2, T, LOAD, 2)              \
+DEFINE_SCORES_ROW2(NAME##_p3, T, LOAD, 3) DEFINE_SCORES_ROW2(NAME##_p4, T, LOAD, 4)              \
 DEFINE_PV16(NAME##_v1, T, LOAD, 1) DEFINE_PV16(NAME##_v2, T, LOAD, 2)                            \
 DEFINE_PV16(NAME##_v3, T, LOAD, 3) DEFINE_PV16(NAME##_v4, T, LOAD, 4)                            \
 static void NAME(const float *restrict q, const T *restrict cache, int64_t page_stride,          \
@@ -631,7 +662,7 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
         const int n = t1 - c0 < TILE ? t1 - c0 : TILE;                                            \
         const int nx = start + c0 + TILE, nn = t1 - c0 - TILE < TILE ? t1 - c0 - TILE : TILE;     \
         GATHER_ROWS(T, rows, start + c0, n)                                                       \
-        for (int i = 0; i < n; i++) {                                                             \
+        for (int i = 0; i < n; i += 2) {                                                          \
             if (i % 4 == 0) PREFETCH_PART(T, nx, start + t1, 0, i / 4, TILE / 4);                  \
             for (int kh = 0; kh < num_kv_heads; kh++)                                             \
                 for (int h0 = 0; h0 < g; h0 += 4) {                                               \
@@ -639,11 +670,21 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
                     const float *qh = q + h * d;                                                  \
                     const T *k = rows[i] + (int64_t)kh * d;                                       \
                     float *sh = s + h * TILE + i;                                                 \
-                    switch (g - h0 < 4 ? g - h0 : 4) {                                            \
-                    case 4: NAME##_r4(qh, d, k, sh, TILE); break;                                 \
-                    case 3: NAME##_r3(qh, d, k, sh, TILE); break;                                 \
-                    case 2: NAME##_r2(qh, d, k, sh, TILE); break;                                 \
-                    default: NAME##_r1(qh, d, k, sh, TILE); break;                                \
+                    if (i + 1 < n) {                                                              \
+                        const T *k1 = rows[i + 1] + (int64_t)kh * d;                              \
+                        switch (g - h0 < 4 ? g - h0 : 4) {                                        \
+                        case 4: NAME##_p4(qh, d, k, k1, sh, TILE); break;                         \
+                        case 3: NAME##_p3(qh, d, k, k1, sh, TILE); break;                         \
+                        case 2: NAME##_p2(qh, d, k, k1, sh, TILE); break;                         \
+                        default: NAME##_p1(qh, d, k, k1, sh, TILE); break;                        \
+                        }                                                                         \
+                    } else {                                                                      \
+                        switch (g - h0 < 4 ? g - h0 : 4) {                                        \
+                        case 4: NAME##_r4(qh, d, k, sh, TILE); break;                             \
+                        case 3: NAME##_r3(qh, d, k, sh, TILE); break;                             \
+                        case 2: NAME##_r2(qh, d, k, sh, TILE); break;                             \
+                        default: NAME##_r1(qh, d, k, sh, TILE); break;                            \
+                        }                                                                         \
                     }                                                                             \
                 }                                                                                 \
         }                                                                                         \
