@@ -570,23 +570,10 @@ static inline __m128 sum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-/* Unscaled scores of one token's K row k[0..d) for GG (<= 4) query heads q[h * d ...] into s[h * ss]. A
- * token's row is read whole and in order (kh after kh), the stream a hardware prefetcher follows. */
-#define DEFINE_SCORES_ROW(NAME, T, LOAD, GG)                                                       \
-static inline void NAME(const float *restrict q, int d, const T *restrict k, float *restrict s, int ss) { \
-    __m256 acc[4];                                                                                \
-    for (int h = 0; h < GG; h++) acc[h] = _mm256_setzero_ps();                                    \
-    for (int j = 0; j < d; j += 8) {                                                              \
-        const __m256 kv = LOAD(k + j);                                                            \
-        for (int h = 0; h < GG; h++) acc[h] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (int64_t)h * d + j), kv, acc[h]); \
-    }                                                                                             \
-    float out[4];                                                                                 \
-    _mm_storeu_ps(out, sum4x8(acc[0], acc[GG > 1 ? 1 : 0], acc[GG > 2 ? 2 : 0], acc[GG > 3 ? 3 : 0])); \
-    for (int h = 0; h < GG; h++) s[(int64_t)h * ss] = out[h];                                     \
-}
-
-/* DEFINE_SCORES_ROW for two tokens' rows k0, k1 (scores into s[h * ss] and s[h * ss + 1]): each query
- * vector loaded once for both, the same sums in the same order. */
+/* Unscaled scores of two tokens' K rows k0, k1 (k[0..d) each) for GG (<= 4) query heads q[h * d ...] into
+ * s[h * ss] and s[h * ss + 1]. Each row is read whole and in order (kh after kh), the stream a hardware
+ * prefetcher follows; each query vector is loaded once for both tokens. A lone last token is passed as
+ * both rows (its second score lands in the tile's next, unused slot): each lane sums in the same order. */
 #define DEFINE_SCORES_ROW2(NAME, T, LOAD, GG)                                                      \
 static inline void NAME(const float *restrict q, int d, const T *restrict k0, const T *restrict k1, \
                         float *restrict s, int ss) {                                              \
@@ -635,8 +622,6 @@ static inline void NAME(float *restrict o, int d, const T *const *rows, int n, i
 }
 
 #define DEFINE_ITEM_AVX2(NAME, T, LOAD)                                                           \
-DEFINE_SCORES_ROW(NAME##_r1, T, LOAD, 1) DEFINE_SCORES_ROW(NAME##_r2, T, LOAD, 2)                \
-DEFINE_SCORES_ROW(NAME##_r3, T, LOAD, 3) DEFINE_SCORES_ROW(NAME##_r4, T, LOAD, 4)                \
 DEFINE_SCORES_ROW2(NAME##_p1, T, LOAD, 1) DEFINE_SCORES_ROW2(NAME##_p2, T, LOAD, 2)              \
 DEFINE_SCORES_ROW2(NAME##_p3, T, LOAD, 3) DEFINE_SCORES_ROW2(NAME##_p4, T, LOAD, 4)              \
 DEFINE_PV16(NAME##_v1, T, LOAD, 1) DEFINE_PV16(NAME##_v2, T, LOAD, 2)                            \
@@ -651,16 +636,13 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
     const T *rows[TILE];                                                                          \
     memset(os, 0, sizeof(float) * (size_t)heads * d);                                             \
     for (int h = 0; h < heads; h++) { m[h] = -INFINITY; l[h] = 0.f; }                             \
-    const char *base = (const char *)cache;                                                       \
-    const int64_t page_bytes = page_stride * (int64_t)sizeof(T), row_bytes = row * (int64_t)sizeof(T); \
     const int64_t v_bytes = v_offset * (int64_t)sizeof(T);                                        \
     const int passes = num_kv_heads * (d / 16) * ((g + 3) / 4); /* V products per tile */         \
-    const int e0 = start + (t1 - t0 < TILE ? t1 : t0 + TILE);                                     \
-    prefetch_span(base, page_bytes, block_size, blocks, start + t0, e0, row_bytes, 0);            \
-    prefetch_span(base, page_bytes, block_size, blocks, start + t0, e0, row_bytes, v_bytes);      \
+    PREFETCH(T, start + t0, start + t1, 0);                                                       \
+    PREFETCH(T, start + t0, start + t1, v_bytes);                                                 \
     for (int c0 = t0; c0 < t1; c0 += TILE) {                                                      \
         const int n = t1 - c0 < TILE ? t1 - c0 : TILE;                                            \
-        const int nx = start + c0 + TILE, nn = t1 - c0 - TILE < TILE ? t1 - c0 - TILE : TILE;     \
+        const int nx = start + c0 + TILE; /* the next tile */                                     \
         GATHER_ROWS(T, rows, start + c0, n)                                                       \
         for (int i = 0; i < n; i += 2) {                                                          \
             if (i % 4 == 0) PREFETCH_PART(T, nx, start + t1, 0, i / 4, TILE / 4);                  \
@@ -669,22 +651,13 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
                     const int64_t h = (int64_t)kh * g + h0;                                       \
                     const float *qh = q + h * d;                                                  \
                     const T *k = rows[i] + (int64_t)kh * d;                                       \
+                    const T *k1 = rows[i + 1 < n ? i + 1 : i] + (int64_t)kh * d;                  \
                     float *sh = s + h * TILE + i;                                                 \
-                    if (i + 1 < n) {                                                              \
-                        const T *k1 = rows[i + 1] + (int64_t)kh * d;                              \
-                        switch (g - h0 < 4 ? g - h0 : 4) {                                        \
-                        case 4: NAME##_p4(qh, d, k, k1, sh, TILE); break;                         \
-                        case 3: NAME##_p3(qh, d, k, k1, sh, TILE); break;                         \
-                        case 2: NAME##_p2(qh, d, k, k1, sh, TILE); break;                         \
-                        default: NAME##_p1(qh, d, k, k1, sh, TILE); break;                        \
-                        }                                                                         \
-                    } else {                                                                      \
-                        switch (g - h0 < 4 ? g - h0 : 4) {                                        \
-                        case 4: NAME##_r4(qh, d, k, sh, TILE); break;                             \
-                        case 3: NAME##_r3(qh, d, k, sh, TILE); break;                             \
-                        case 2: NAME##_r2(qh, d, k, sh, TILE); break;                             \
-                        default: NAME##_r1(qh, d, k, sh, TILE); break;                            \
-                        }                                                                         \
+                    switch (g - h0 < 4 ? g - h0 : 4) {                                            \
+                    case 4: NAME##_p4(qh, d, k, k1, sh, TILE); break;                             \
+                    case 3: NAME##_p3(qh, d, k, k1, sh, TILE); break;                             \
+                    case 2: NAME##_p2(qh, d, k, k1, sh, TILE); break;                             \
+                    default: NAME##_p1(qh, d, k, k1, sh, TILE); break;                            \
                     }                                                                             \
                 }                                                                                 \
         }                                                                                         \
@@ -693,10 +666,7 @@ static void NAME(const float *restrict q, const T *restrict cache, int64_t page_
         for (int kh = 0; kh < num_kv_heads; kh++)                                                 \
             for (int j = 0; j < d; j += 16)                                                       \
                 for (int h0 = 0; h0 < g; h0 += 4, pass++) {                                       \
-                    if (nn > 0) { /* the next tile's V, a share per pass */                       \
-                        const int a = nx + nn * pass / passes, b = nx + nn * (pass + 1) / passes; \
-                        if (a < b) prefetch_span(base, page_bytes, block_size, blocks, a, b, row_bytes, v_bytes); \
-                    }                                                                             \
+                    PREFETCH_PART(T, nx, start + t1, v_bytes, pass, passes); /* a share per pass */ \
                     const int64_t h = (int64_t)kh * g + h0;                                       \
                     float *oh = os + h * d + j;                                                   \
                     const int64_t off = v_offset + (int64_t)kh * d + j;                           \
