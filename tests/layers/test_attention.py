@@ -266,14 +266,15 @@ CASCADE_GROUPS = {
 }
 
 
+@pytest.mark.parametrize("pages", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", list(CASCADE_GROUPS))
-def test_c_kernel_cascade_over_shared_pages_matches_torch_path(monkeypatch, case):
+def test_c_kernel_cascade_over_shared_pages_matches_torch_path(monkeypatch, case, pages):
     """Decodes whose block tables share leading pages (a system prompt's, n samples'): the kernel attends
     the common pages once per group (cascade) and merges with each request's own tokens. Groups of 2 to
     20, members sharing different numbers of pages (the group takes what all share), members whose
     context ends inside the shared pages, a group sharing too little to be one, single requests; small
     groups alone, spread over items or cut into key pieces; against the float32 torch path and against
-    the kernel with cascade off."""
+    the kernel with cascade off. bf16 and float32 pages (AVX2 cascades both; AVX512-BF16 bf16 ones)."""
     import tokenos.layers.attention as attention
     from tokenos.layers import cpu_kernels
 
@@ -284,9 +285,10 @@ def test_c_kernel_cascade_over_shared_pages_matches_torch_path(monkeypatch, case
     block_size = 16
     lens, tables, pool = shared_tables(CASCADE_GROUPS[case], block_size, rng)
     heads, kv_heads, d = 9, 3, 64
-    cache = torch.randn(pool, 2, block_size, kv_heads, d).to(torch.bfloat16)
+    cache = torch.randn(pool, 2, block_size, kv_heads, d).to(pages)
+    groups = []
     q = torch.randn(len(lens), heads, d)
-    k, v = (torch.randn(len(lens), kv_heads, d).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(len(lens), kv_heads, d).to(pages) for _ in range(2))
     attn = Attention(heads, kv_heads, d, d**-0.5)
 
     def run(c_kernel: bool, cascade: bool = True) -> torch.Tensor:
@@ -294,23 +296,28 @@ def test_c_kernel_cascade_over_shared_pages_matches_torch_path(monkeypatch, case
         cpu_kernels.set_cascade(cascade)
         try:
             meta = build_attention_metadata(tables, [n - 1 for n in lens], [1] * len(lens), block_size)
-            pages = cache.clone() if c_kernel else cache.float()
+            kv = cache.clone() if c_kernel else cache.float()
             new_k, new_v = (t if c_kernel else t.float() for t in (k, v))
-            return attn.attend(q, new_k, new_v, pages, meta).float()
+            out = attn.attend(q, new_k, new_v, kv, meta).float()
+            groups.append(cpu_kernels.cascaded_groups())
+            return out
         finally:
             cpu_kernels.set_cascade(True)
 
     fast, plain, ref = run(True), run(True, cascade=False), run(False)
+    assert (groups[0] > 0) == cpu_kernels.uses_cascade(pages) and groups[1] == 0
     torch.testing.assert_close(fast, ref, atol=8e-3, rtol=1e-2)
     assert (fast - ref).abs().mean() < 1e-3
     # The shared pages' partials come from the tiled kernel, so only the fp32 summation order differs.
     torch.testing.assert_close(fast, plain, atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("pages", [torch.bfloat16, torch.float32, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize(("softcap", "with_sinks"), [(None, True), (30.0, False), (20.0, True)])
-def test_c_kernel_cascade_keeps_soft_cap_and_sinks(softcap, with_sinks):
+def test_c_kernel_cascade_keeps_soft_cap_and_sinks(softcap, with_sinks, pages):
     """Gemma 2's soft cap bends the shared pages' scores too, and a sink joins each head's sum once,
-    after the group's partial and the request's own are merged."""
+    after the group's partial and the request's own are merged; over every page dtype the kernel reads
+    (AVX2 cascades them all, with a K / V scale folded in for the 8-bit ones)."""
     from tokenos.layers import cpu_kernels
 
     if cpu_kernels.load() is None:
@@ -319,21 +326,29 @@ def test_c_kernel_cascade_keeps_soft_cap_and_sinks(softcap, with_sinks):
     torch.manual_seed(3)
     lens, tables, pool = shared_tables([(12, [200, 250, 197, 300]), (6, [120, 99])], 16, rng)
     heads, kv_heads, d = 8, 2, 64
-    cache = torch.randn(pool, 2, 16, kv_heads, d).to(torch.bfloat16)
+    if pages == torch.int8:
+        cache = torch.randint(-127, 128, (pool, 2, 16, kv_heads, d), dtype=torch.int8)
+    else:
+        cache = torch.randn(pool, 2, 16, kv_heads, d).to(pages)
+    scales = (0.02, 0.03) if pages == torch.int8 else (1.0, 1.0)
     q = torch.randn(len(lens), heads, d) * 3
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     seq = torch.tensor(lens, dtype=torch.int32)
     sinks = torch.randn(heads) if with_sinks else None
-    outs = []
+    outs, groups = [], []
     for cascade in (True, False):
         cpu_kernels.set_cascade(cascade)
         try:
             outs.append(
-                cpu_kernels.paged_decode(q, cache, table, seq, d**-0.5, None, softcap=softcap, sinks=sinks)
+                cpu_kernels.paged_decode(
+                    q, cache, table, seq, d**-0.5, None, *scales, softcap=softcap, sinks=sinks
+                )
             )
+            groups.append(cpu_kernels.cascaded_groups())
         finally:
             cpu_kernels.set_cascade(True)
+    assert groups == [2 if cpu_kernels.uses_cascade(pages) else 0, 0]
     torch.testing.assert_close(outs[0], outs[1], atol=2e-3, rtol=2e-3)
 
 
@@ -345,7 +360,7 @@ def test_c_kernel_cascade_keeps_packed_prefixes_while_their_pages_keep_their_epo
     from tokenos.layers import cpu_kernels
     from tokenos.worker.kv_cache import PageEpochs
 
-    if cpu_kernels.load() is None or not cpu_kernels.uses_cascade():
+    if cpu_kernels.load() is None or not (cpu_kernels.uses_cascade() and cpu_kernels.packs_prefixes()):
         pytest.skip("cascade attention needs the AVX512-BF16 kernels")
     rng = random.Random(5)
     torch.manual_seed(5)
@@ -401,7 +416,7 @@ def test_c_kernel_cascade_drops_entries_whose_first_page_moved():
     from tokenos.layers import cpu_kernels
     from tokenos.worker.kv_cache import PageEpochs
 
-    if cpu_kernels.load() is None or not cpu_kernels.uses_cascade():
+    if cpu_kernels.load() is None or not (cpu_kernels.uses_cascade() and cpu_kernels.packs_prefixes()):
         pytest.skip("cascade attention needs the AVX512-BF16 kernels")
     torch.manual_seed(13)
     block_size, heads, kv_heads, d, rows, pages = 16, 8, 2, 64, 5, 20
@@ -442,7 +457,7 @@ def test_c_kernel_cascade_grows_a_packed_prefix_in_place():
     from tokenos.layers import cpu_kernels
     from tokenos.worker.kv_cache import PageEpochs
 
-    if cpu_kernels.load() is None or not cpu_kernels.uses_cascade():
+    if cpu_kernels.load() is None or not (cpu_kernels.uses_cascade() and cpu_kernels.packs_prefixes()):
         pytest.skip("cascade attention needs the AVX512-BF16 kernels")
     torch.manual_seed(11)
     block_size, heads, kv_heads, d, rows, pages = 16, 8, 2, 64, 5, 40

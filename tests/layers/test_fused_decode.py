@@ -185,22 +185,27 @@ def test_verify_steps_attend_as_decodes_of_their_own_length(tmp_path, monkeypatc
     assert any(reqs < sum(lens) for reqs, lens in steps)
 
 
-@pytest.mark.skipif(
-    "bfloat16" not in DTYPES or not cpu_kernels.uses_cascade(), reason="needs bf16 kernels and cascade"
-)
-def test_long_verify_steps_are_fused_where_cascade_groups_a_request(tmp_path, monkeypatch):
-    """Where cascade attention groups a request's tokens over their common pages, verify steps of up to
-    16 tokens a request (a decode and 15 drafts) take the fused path; greedy output equals decoding
-    without speculation and the module path's, and logprobs stay close to the module path's."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_long_verify_steps_are_fused_where_cascade_groups_a_request(tmp_path, monkeypatch, dtype):
+    """Where cascade attention groups a request's tokens over their common pages (AVX2: every page
+    dtype; AVX512-BF16: bf16 pages), verify steps of up to 16 tokens a request (a decode and 15 drafts)
+    take the fused path; greedy output equals decoding without speculation and the module path's, and
+    logprobs stay close to the module path's. Where it does not, each token would read its whole
+    context: 8 tokens a request at most."""
+    torch_dtype = getattr(torch, dtype)
+    if not cpu_kernels.uses_cascade(torch_dtype):
+        pytest.skip(f"no cascade attention over {dtype} pages on this CPU")
     folder = str(tmp_path / "llama")
     save_tiny("llama", folder, **LLM_SHAPE)
     # bf16: kernels that sum in another order may flip a near-tie (seeds 3 and 11 have one); seed 1 none.
     base = random_prompts(3, 16, 20, seed=1, vocab=LLM_SHAPE["vocab_size"])
     prompts = [p * 4 for p in base]  # periods past 12 tokens: whole 12-token drafts to follow
     spec = {"method": "ngram", "num_speculative_tokens": 12, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-    kwargs = dict(quantization="int4", max_num_seqs=1, block_size=16, dtype="bfloat16")
-    steps = _check_verify_steps(folder, monkeypatch, prompts, spec, None, 0.05, **kwargs)
+    kwargs = dict(quantization="int4", max_num_seqs=1, block_size=16, dtype=dtype)
+    tolerance = 0.05 if dtype == "bfloat16" else 1e-4
+    steps = _check_verify_steps(folder, monkeypatch, prompts, spec, None, tolerance, **kwargs)
     assert max(max(lens) for _, lens in steps) > 8
-    # float32 pages: no cascade, so each token would read its whole context; 8 tokens a request at most.
-    plan = _run(folder, monkeypatch, True, prompts[:1], max_query=None, quantization="int4")[1]
-    assert plan is not None and not plan.grouped
+    for other in DTYPES:
+        kwargs = dict(max_query=None, quantization="int4", dtype=other)
+        plan = _run(folder, monkeypatch, True, prompts[:1], **kwargs)[1]
+        assert plan is not None and plan.grouped == cpu_kernels.uses_cascade(getattr(torch, other))

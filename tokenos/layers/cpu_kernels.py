@@ -191,6 +191,8 @@ def load() -> ctypes.CDLL | None:
     lib.paged_decode_set_cascade.argtypes = [_I]
     lib.paged_decode_set_cascade.restype = None
     lib.paged_decode_cascade_on.argtypes = []
+    lib.paged_decode_avx2_cascade.argtypes = []
+    lib.paged_decode_last_groups.argtypes = []
     lib.paged_decode_set_cascade(0 if os.environ.get("TOKENOS_DISABLE_CASCADE_ATTN") == "1" else 1)
     lib.cascade_cache_stats.argtypes = [_P]
     lib.cascade_cache_stats.restype = None
@@ -322,16 +324,28 @@ def set_cascade_cache_limit(mib: int | None) -> None:
     _library_call("cascade_cache_set_limit", -1 if mib is None else mib << 20)
 
 
-def uses_cascade() -> bool:
-    """Whether bf16 decodes sharing cached pages attend them once per group: the library, the prefill
-    kernel it borrows (AVX512-BF16), and the switch on."""
+def uses_cascade(kv_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether decodes sharing cached pages of ``kv_dtype`` attend them once per group, with the switch
+    on: on AVX2 through the decode kernel's own whole-request item (every page dtype), on AVX512-BF16
+    through the prefill kernel's packed prefixes (bf16 pages; see `packs_prefixes`)."""
     lib = load()
-    return bool(
-        lib is not None
-        and lib.paged_decode_cascade_on()
-        and lib.paged_prefill_available()
-        and not lib.kernels_batch_invariant()  # a group's prefix summed apart from each member's tokens
-    )
+    if lib is None or not lib.paged_decode_cascade_on() or lib.kernels_batch_invariant():
+        return False  # batch invariance: a group's prefix would be summed apart from each member's tokens
+    return bool(lib.paged_decode_avx2_cascade()) or (kv_dtype == torch.bfloat16 and packs_prefixes())
+
+
+def cascaded_groups() -> int:
+    """How many groups of requests the last decode-attention call attended their shared pages for once
+    (0: no cascade); for tests."""
+    lib = load()
+    return int(lib.paged_decode_last_groups()) if lib is not None else 0
+
+
+def packs_prefixes() -> bool:
+    """Whether cascade attention over bf16 pages packs the shared prefixes (the AVX512-BF16 prefill
+    kernel's layout, kept in the packed-prefix cache between calls)."""
+    lib = load()
+    return bool(lib is not None and lib.paged_prefill_available())
 
 
 def usable(*tensors: torch.Tensor) -> bool:

@@ -149,11 +149,8 @@ class FusedDecodePlan:
         self._layer_ptrs = (_P * len(self.layers))(*(ctypes.addressof(lyr.desc) for lyr in self.layers))
         self._step_ptrs = (_P * len(self.layers))()
         self._scratch: tuple[torch.Tensor, ...] = ()
-        self.grouped = (
-            dtype == torch.bfloat16
-            and cpu_kernels.uses_cascade()
-            and not any(layer.desc.window for layer in self.layers)
-        )
+        self.windowed = any(layer.desc.window for layer in self.layers)
+        self.grouped = cpu_kernels.uses_cascade(dtype) and not self.windowed
 
     @classmethod
     def build(cls, stack: torch.nn.Module) -> FusedDecodePlan | None:
@@ -207,8 +204,8 @@ class FusedDecodePlan:
             if not self._reads(layer.attn, kv_cache):
                 return False
             if id(meta) not in checked:
-                # Cascade groups a request's tokens over bf16 pages of the model's dtype only.
-                grouped = self.grouped and kv_cache.dtype == self.dtype
+                # Cascade groups a request's tokens where the kernel cascades these pages.
+                grouped = not self.windowed and cpu_kernels.uses_cascade(kv_cache.dtype)
                 limit = self.max_query if grouped else min(self.max_query, self.max_query_ungrouped)
                 lens = meta.query_lens_list
                 if max(lens) > limit or sum(lens) != n:

@@ -34,7 +34,14 @@ from tokenos.layers.recurrent_batch import RecurrentBatch
 from tokenos.lora.manager import LoRAManager
 from tokenos.models import build_model
 from tokenos.models.config import ModelConfig
-from tokenos.platform import configure_threads, cpu_summary, dtype_name, native_bf16_supported
+from tokenos.platform import (
+    configure_threads,
+    cpu_summary,
+    dtype_name,
+    kv_cache_dtype_name,
+    native_bf16_supported,
+    torch_dtype,
+)
 from tokenos.sample import ops
 from tokenos.sample.logits_processor import EngineConfig, LogitsProcessor, build_logits_processors
 from tokenos.sample.metadata import SamplingMetadata
@@ -150,8 +157,8 @@ class ModelRunner:
         if not c_kernel:
             return "torch"
         kv_dtype = getattr(self.cache_config, "cache_dtype", "auto")
-        bf16 = self.model_config.dtype == torch.bfloat16 and kv_dtype in ("auto", "bfloat16")
-        return "C kernel + cascade over shared pages" if bf16 and cpu_kernels.uses_cascade() else "C kernel"
+        pages = torch_dtype(kv_cache_dtype_name(kv_dtype, dtype_name(self.model_config.dtype)))
+        return "C kernel + cascade over shared pages" if cpu_kernels.uses_cascade(pages) else "C kernel"
 
     def _describe_weights(self) -> str:
         """Resident weight bytes, and which are quantized (and run by which kernel)."""

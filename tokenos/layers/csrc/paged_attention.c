@@ -751,6 +751,8 @@ static int num_splits(int n, int base_items, int threads) {
  * tables alone, so any pages two requests share are read once, whoever wrote them. */
 #define MIN_SHARED 64
 static int cascade_enabled = 1;
+static int last_groups = 0; /* groups the last call cascaded (tests look) */
+int paged_decode_last_groups(void) { return last_groups; }
 void paged_decode_set_cascade(int on) { cascade_enabled = on; }
 int paged_decode_cascade_on(void) { return cascade_enabled; }
 
@@ -809,6 +811,95 @@ static int find_shared(const int32_t *table, int max_blocks, const int32_t *seq_
     return groups;
 }
 
+/* Cascade on AVX2 (no AVX512-BF16 prefill kernel to borrow): a group's shared prefix is attended by the
+ * whole-request item itself, once, for a virtual request whose query heads are every member's heads
+ * (per KV head, member after member), so each shared K and V row is read once per group instead of
+ * once per member; its outputs go to each member's partial slots and merge with the member's own
+ * tokens as splits do. A group takes items of up to MAX_ITEM_HEADS / num_heads members, and where
+ * those items would leave threads idle (one request's verify step: 5 rows, one item) its prefix is
+ * cut into key pieces, each a partial more. */
+#if AVX2_ITEMS
+#define VCASCADE 1
+#define VP_MIN_PIECE 64 /* shared keys per piece */
+typedef struct {
+    int group, m0, m1, piece, pieces; /* members[m0 .. m1) of group `group`, key piece `piece` */
+} vprefix_item;
+
+/* The items of the groups' prefixes (most: members per item), into *out (malloc'd), setting parts[r]
+ * of each member to its group's pieces; returns how many. */
+static int64_t vprefix_plan(int groups, const int *member0, const int *members, const int *tokens, int most,
+                            int threads, int *parts, vprefix_item **out) {
+    int64_t whole = 0, items = 0;
+    for (int j = 0; j < groups; j++) whole += (member0[j + 1] - member0[j] + most - 1) / most;
+    const int64_t want = 2 * (int64_t)threads;
+    const int64_t cut = whole >= want ? 1 : (want + whole - 1) / whole;
+    int *pieces = (int *)malloc(sizeof(int) * (size_t)groups);
+    for (int j = 0; j < groups; j++) {
+        const int64_t fit = tokens[j] / VP_MIN_PIECE;
+        pieces[j] = (int)(cut < fit ? cut : fit > 1 ? fit : 1);
+        items += (int64_t)pieces[j] * ((member0[j + 1] - member0[j] + most - 1) / most);
+    }
+    vprefix_item *it = (vprefix_item *)malloc(sizeof(vprefix_item) * (size_t)items);
+    int64_t n = 0;
+    for (int j = 0; j < groups; j++) {
+        for (int m = member0[j]; m < member0[j + 1]; m++) parts[members[m]] = pieces[j];
+        for (int m0 = member0[j]; m0 < member0[j + 1]; m0 += most)
+            for (int p = 0; p < pieces[j]; p++) {
+                const int m1 = m0 + most < member0[j + 1] ? m0 + most : member0[j + 1];
+                it[n++] = (vprefix_item){j, m0, m1, p, pieces[j]};
+            }
+    }
+    free(pieces);
+    *out = it;
+    return n;
+}
+
+/* One prefix item: its members' query heads gathered as one virtual request (KV head kh's rows are
+ * member after member, each member's `group` heads in order), attended over the item's piece of the
+ * shared keys by WHOLE, the partials scattered to slot[r] + piece of each member r. */
+#define DEFINE_VPREFIX(NAME, T, WHOLE)                                                            \
+static void NAME(const vprefix_item *it, const int *members, const int *tokens, const int *slot,  \
+                 const float *q, const T *cache, int64_t page_stride, int block_size,             \
+                 const int32_t *block_table, int max_blocks, int num_heads, int num_kv_heads,     \
+                 int group, int d, int64_t row, int64_t v_offset, float scale, float cap,         \
+                 float *pm, float *pl, float *po) {                                               \
+    const int M = it->m1 - it->m0, gg = M * group, heads = num_kv_heads * gg;                     \
+    const int64_t span = tokens[it->group];                                                       \
+    const int t0 = (int)(span * it->piece / it->pieces), t1 = (int)(span * (it->piece + 1) / it->pieces); \
+    float *qv = (float *)malloc(sizeof(float) * ((size_t)2 * heads * d + 2 * (size_t)heads));     \
+    float *o = qv + (int64_t)heads * d, *m = o + (int64_t)heads * d, *l = m + heads;              \
+    for (int mi = 0; mi < M; mi++)                                                                \
+        for (int kh = 0; kh < num_kv_heads; kh++)                                                 \
+            memcpy(qv + ((int64_t)(kh * M + mi) * group) * d,                                     \
+                   q + ((int64_t)members[it->m0 + mi] * num_heads + (int64_t)kh * group) * d,     \
+                   sizeof(float) * (size_t)group * d);                                            \
+    WHOLE(qv, cache, page_stride, block_size, block_table + (int64_t)members[it->m0] * max_blocks, 0, t0, t1, \
+          num_kv_heads, gg, d, row, v_offset, scale, cap, o, m, l);                               \
+    for (int mi = 0; mi < M; mi++) {                                                              \
+        const int64_t at = (int64_t)(slot[members[it->m0 + mi]] + it->piece) * num_heads;         \
+        for (int kh = 0; kh < num_kv_heads; kh++)                                                 \
+            for (int gi = 0; gi < group; gi++) {                                                  \
+                const int64_t src = (int64_t)(kh * M + mi) * group + gi, h = at + kh * group + gi; \
+                pm[h] = m[src], pl[h] = l[src];                                                   \
+                memcpy(po + h * d, o + src * d, sizeof(float) * (size_t)d);                       \
+            }                                                                                     \
+    }                                                                                             \
+    free(qv);                                                                                     \
+}
+DEFINE_VPREFIX(vprefix_f32, float, item_avx_f32)
+DEFINE_VPREFIX(vprefix_bf16, uint16_t, item_avx_bf16)
+DEFINE_VPREFIX(vprefix_fp8, uint8_t, item_avx_fp8)
+DEFINE_VPREFIX(vprefix_int8, int8_t, item_avx_int8)
+#else
+#define VCASCADE 0
+typedef struct vprefix_item vprefix_item;
+#define vprefix_plan(...) ((int64_t)0)
+#define vprefix_f32(...) abort()
+#define vprefix_bf16(...) abort()
+#define vprefix_fp8(...) abort()
+#define vprefix_int8(...) abort()
+#endif
+
 #ifdef __AVX512BF16__
 void shared_prefix_pieces(int num_groups, const int *member0, const int *tokens, int num_kv_heads, int g, int d,
                           int threads, int *pieces, int *per);
@@ -840,7 +931,7 @@ typedef struct shared_prefix_step shared_prefix_step;
 #endif
 int paged_prefill_supports(int num_heads, int num_kv_heads, int head_size); /* prefill_attention.c, every build */
 
-#define DEFINE_DECODE(NAME, T, ITEM, WHOLE, CASCADE)                                              \
+#define DEFINE_DECODE(NAME, T, ITEM, WHOLE, CASCADE, VPREFIX)                                              \
 void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,                   \
           const int32_t *block_table, int max_blocks, const int32_t *seq_lens, int num_reqs,     \
           int num_heads, int num_kv_heads, int head_size, float scale, int window, float *out,   \
@@ -864,14 +955,20 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     int *shared = first + num_reqs + 1, *members = shared + num_reqs, *member0 = members + num_reqs; \
     int *slot = member0 + num_reqs + 1, *tokens = slot + num_reqs, *pieces = tokens + num_reqs;   \
     int *parts = pieces + num_reqs, *per = parts + num_reqs;                                      \
-    const int groups = CASCADE && cascade_enabled && !kernels_batch_invariant() && whole && window <= 0 \
-                       && num_reqs > 1                                                            \
-                       && paged_prefill_supports(num_heads, num_kv_heads, d)                      \
+    const int cascade = cascade_enabled && !kernels_batch_invariant() && whole && window <= 0 && num_reqs > 1; \
+    const int use_sp = CASCADE && cascade && paged_prefill_supports(num_heads, num_kv_heads, d);  \
+    /* AVX2's own cascade: members per item, all their heads one whole-request item's */         \
+    const int vmost = VCASCADE && cascade && !use_sp ? MAX_ITEM_HEADS / num_heads : 0;          \
+    const int groups = use_sp || vmost >= 2                                                       \
         ? find_shared(block_table, max_blocks, seq_lens, num_reqs, block_size, shared, members, member0, tokens) \
         : 0;                                                                                      \
+    last_groups = groups;                                                                         \
     if (!groups) memset(shared, 0, sizeof(int) * (size_t)num_reqs);                               \
     memset(parts, 0, sizeof(int) * (size_t)num_reqs);                                             \
-    if (groups) {                                                                                 \
+    vprefix_item *vitems = NULL;                                                                  \
+    const int64_t vp_items = groups && !use_sp                                                    \
+        ? vprefix_plan(groups, member0, members, tokens, vmost, threads, parts, &vitems) : 0;     \
+    if (groups && use_sp) {                                                                       \
         shared_prefix_pieces(groups, member0, tokens, num_kv_heads, group, d, threads, pieces, per); \
         for (int j = 0; j < groups; j++)                                                          \
             for (int m = member0[j]; m < member0[j + 1]; m++) parts[members[m]] = pieces[j];      \
@@ -890,7 +987,7 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     float *pm = merge ? (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads) : NULL; \
     float *pl = merge ? (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads) : NULL; \
     float *po = merge ? (float *)malloc(sizeof(float) * (size_t)total_splits * num_heads * d) : NULL; \
-    shared_prefix_step *sp = groups ? shared_prefix_begin(q, (const uint16_t *)cache, page_stride, block_size,   \
+    shared_prefix_step *sp = groups && use_sp ? shared_prefix_begin(q, (const uint16_t *)cache, page_stride, block_size,   \
                                                           block_table, max_blocks, groups, members, member0, \
                                                           tokens, pieces, per, slot, num_heads, num_kv_heads, \
                                                           d, scale, cap, pm, pl, po, epochs)              \
@@ -901,12 +998,18 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     void *sp_w = sp ? shared_prefix_scratch(sp) : NULL;                                           \
     const int64_t nth = omp_get_num_threads();                                                    \
     _Pragma("omp for schedule(dynamic, 1)")                                                       \
-    for (int64_t at = 0; at < sp_items + items; at++) {                                           \
+    for (int64_t at = 0; at < sp_items + vp_items + items; at++) {                                \
         if (at < sp_items) {                                                                      \
             shared_prefix_item(sp, at, nth, sp_w);                                                \
             continue;                                                                             \
         }                                                                                         \
-        const int64_t it = at - sp_items;                                                         \
+        if (at < sp_items + vp_items) {                                                           \
+            VPREFIX(vitems + (at - sp_items), members, tokens, slot, q, cache, page_stride, block_size, \
+                    block_table, max_blocks, num_heads, num_kv_heads, group, d, row, v_offset, scale, cap, \
+                    pm, pl, po);                                                                  \
+            continue;                                                                             \
+        }                                                                                         \
+        const int64_t it = at - sp_items - vp_items;                                              \
         const int split_index = (int)(it / per_split);                                            \
         const int rest = (int)(it % per_split);                                                   \
         const int kh = rest / chunks, c = rest % chunks;                                          \
@@ -970,15 +1073,16 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     }                                                                                             \
     }                                                                                             \
     if (sp) shared_prefix_end(sp);                                                                \
-    free(first); free(pm); free(pl); free(po);                                                    \
+    free(first); free(pm); free(pl); free(po); free(vitems);                                      \
 }
 
-DEFINE_DECODE(paged_decode_f32, float, item_f32, item_avx_f32, 0)
-DEFINE_DECODE(paged_decode_bf16, uint16_t, item_bf16, item_avx_bf16, CASCADE_BF16)
-DEFINE_DECODE(paged_decode_fp8, uint8_t, item_fp8, item_avx_fp8, 0)
-DEFINE_DECODE(paged_decode_int8, int8_t, item_int8, item_avx_int8, 0)
+DEFINE_DECODE(paged_decode_f32, float, item_f32, item_avx_f32, 0, vprefix_f32)
+DEFINE_DECODE(paged_decode_bf16, uint16_t, item_bf16, item_avx_bf16, CASCADE_BF16, vprefix_bf16)
+DEFINE_DECODE(paged_decode_fp8, uint8_t, item_fp8, item_avx_fp8, 0, vprefix_fp8)
+DEFINE_DECODE(paged_decode_int8, int8_t, item_int8, item_avx_int8, 0, vprefix_int8)
 
 int paged_decode_max_head_size(void) { return MAX_HEAD; }
+int paged_decode_avx2_cascade(void) { return VCASCADE; }
 
 /* This step's K and V into 8-bit pages, in one call where torch took five ops per tensor (about 20 us
  * each at decode sizes, times two, times every layer): element j of token t's K row (k + t * k_stride,
