@@ -127,9 +127,10 @@ class FusedDecodePlan:
     # A request's tokens per step taken here: a decode and up to 15 drafts, or a chunk that short. Token t
     # attends as a decode of length position + 1 (its K/V and the earlier ones of the step are written
     # first, so it sees exactly its causal prefix); longer chunks go to the tiled prefill kernel, which
-    # reads each K/V row once per chunk instead of once per token. Where cascade attention is off (no
-    # AVX512-BF16, float32 pages, a sliding window) nothing groups a request's tokens over their common
-    # pages, so each token reads its whole context: there the limit stays at a decode and 7 drafts.
+    # reads each K/V row once per chunk instead of once per token. Where cascade attention is off (a
+    # sliding window; float32 pages on AVX-512 without the AVX2 cascade) nothing groups a request's tokens
+    # over their common pages, so each token reads its whole context: there the limit stays at a decode
+    # and 7 drafts.
     # On an AMX Xeon a 9-token verify step took 16.1 ms through the module path, 10.1 ms here.
     max_query = 16
     max_query_ungrouped = 8
