@@ -150,8 +150,10 @@ class FusedDecodePlan:
         self._layer_ptrs = (_P * len(self.layers))(*(ctypes.addressof(lyr.desc) for lyr in self.layers))
         self._step_ptrs = (_P * len(self.layers))()
         self._scratch: tuple[torch.Tensor, ...] = ()
-        self.windowed = any(layer.desc.window for layer in self.layers)
-        self.grouped = cpu_kernels.uses_cascade(dtype) and not self.windowed
+        windowed = any(layer.desc.window for layer in self.layers)
+        # Page dtype -> whether cascade groups a request's tokens over them (asked once, not every step).
+        self._grouped = {kv: not windowed and cpu_kernels.uses_cascade(kv) for kv in (dtype, *_KV_KINDS)}
+        self.grouped = self._grouped[dtype]
 
     @classmethod
     def build(cls, stack: torch.nn.Module) -> FusedDecodePlan | None:
@@ -205,8 +207,7 @@ class FusedDecodePlan:
             if not self._reads(layer.attn, kv_cache):
                 return False
             if id(meta) not in checked:
-                # Cascade groups a request's tokens where the kernel cascades these pages.
-                grouped = not self.windowed and cpu_kernels.uses_cascade(kv_cache.dtype)
+                grouped = self._grouped.get(kv_cache.dtype, False)
                 limit = self.max_query if grouped else min(self.max_query, self.max_query_ungrouped)
                 lens = meta.query_lens_list
                 if max(lens) > limit or sum(lens) != n:

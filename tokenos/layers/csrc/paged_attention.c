@@ -825,15 +825,14 @@ typedef struct {
     int group, m0, m1, piece, pieces; /* members[m0 .. m1) of group `group`, key piece `piece` */
 } vprefix_item;
 
-/* The items of the groups' prefixes (most: members per item), into *out (malloc'd), setting parts[r]
- * of each member to its group's pieces; returns how many. */
-static int64_t vprefix_plan(int groups, const int *member0, const int *members, const int *tokens, int most,
-                            int threads, int *parts, vprefix_item **out) {
+/* The items of the groups' prefixes (most: members per item), into *out (malloc'd), and each group's
+ * key pieces into pieces[j]; returns how many items. */
+static int64_t vprefix_plan(int groups, const int *member0, const int *tokens, int most, int threads,
+                            int *pieces, vprefix_item **out) {
     int64_t whole = 0, items = 0;
     for (int j = 0; j < groups; j++) whole += (member0[j + 1] - member0[j] + most - 1) / most;
     const int64_t want = 2 * (int64_t)threads;
     const int64_t cut = whole >= want ? 1 : (want + whole - 1) / whole;
-    int *pieces = (int *)malloc(sizeof(int) * (size_t)groups);
     for (int j = 0; j < groups; j++) {
         const int64_t fit = tokens[j] / VP_MIN_PIECE;
         pieces[j] = (int)(cut < fit ? cut : fit > 1 ? fit : 1);
@@ -842,14 +841,12 @@ static int64_t vprefix_plan(int groups, const int *member0, const int *members, 
     vprefix_item *it = (vprefix_item *)malloc(sizeof(vprefix_item) * (size_t)items);
     int64_t n = 0;
     for (int j = 0; j < groups; j++) {
-        for (int m = member0[j]; m < member0[j + 1]; m++) parts[members[m]] = pieces[j];
         for (int m0 = member0[j]; m0 < member0[j + 1]; m0 += most)
             for (int p = 0; p < pieces[j]; p++) {
                 const int m1 = m0 + most < member0[j + 1] ? m0 + most : member0[j + 1];
                 it[n++] = (vprefix_item){j, m0, m1, p, pieces[j]};
             }
     }
-    free(pieces);
     *out = it;
     return n;
 }
@@ -966,10 +963,12 @@ void NAME(const float *q, const T *cache, int64_t page_stride, int block_size,  
     if (!groups) memset(shared, 0, sizeof(int) * (size_t)num_reqs);                               \
     memset(parts, 0, sizeof(int) * (size_t)num_reqs);                                             \
     vprefix_item *vitems = NULL;                                                                  \
-    const int64_t vp_items = groups && !use_sp                                                    \
-        ? vprefix_plan(groups, member0, members, tokens, vmost, threads, parts, &vitems) : 0;     \
-    if (groups && use_sp) {                                                                       \
-        shared_prefix_pieces(groups, member0, tokens, num_kv_heads, group, d, threads, pieces, per); \
+    int64_t vp_items = 0;                                                                         \
+    if (groups) {                                                                                 \
+        if (use_sp)                                                                               \
+            shared_prefix_pieces(groups, member0, tokens, num_kv_heads, group, d, threads, pieces, per); \
+        else                                                                                      \
+            vp_items = vprefix_plan(groups, member0, tokens, vmost, threads, pieces, &vitems);    \
         for (int j = 0; j < groups; j++)                                                          \
             for (int m = member0[j]; m < member0[j + 1]; m++) parts[members[m]] = pieces[j];      \
     }                                                                                             \
